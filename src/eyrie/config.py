@@ -1,0 +1,100 @@
+"""Load and validate the pipeline configuration against schemas/config.schema.yaml.
+
+Validation fills defaults from the schema, so every later stage reads one
+complete, checked dictionary and never guesses a missing value.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from eyrie.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "schemas" / "config.schema.yaml"
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in `default` values for missing properties before checking them."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, subschema in properties.items():
+                if "default" in subschema and name not in instance:
+                    instance[name] = copy.deepcopy(subschema["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_Validator = _with_defaults(jsonschema.Draft202012Validator)
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        return f"{where}: {error.message}; allowed keys here: {', '.join(allowed)}"
+    if error.validator == "required":
+        return f"{where}: {error.message}"
+    if error.validator in ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "pattern"):
+        expected = {
+            "type": lambda: f"expected type {error.validator_value}",
+            "enum": lambda: f"expected one of {error.validator_value}",
+            "minimum": lambda: f"expected a value >= {error.validator_value}",
+            "maximum": lambda: f"expected a value <= {error.validator_value}",
+            "exclusiveMinimum": lambda: f"expected a value > {error.validator_value}",
+            "pattern": lambda: f"expected text matching {error.validator_value}",
+        }[error.validator]()
+        return f"{where}: {expected}, got {json.dumps(error.instance)}"
+    return f"{where}: {error.message}"
+
+
+def validate(config: dict[str, Any], origin: str = "config") -> dict[str, Any]:
+    """Return a validated copy of `config` with defaults filled; raise ConfigError naming each bad key."""
+    checked = copy.deepcopy(dict(config))
+    errors = sorted(_Validator(load_schema()).iter_errors(checked), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = "\n".join(f"  - {_describe(e)}" for e in errors)
+        raise ConfigError(f"{origin} is invalid:\n{lines}\n(see schemas/config.schema.yaml for every key)")
+    _check_model(checked, origin)
+    return checked
+
+
+def _check_model(config: dict, origin: str) -> None:
+    model = config["model"]
+    if model.get("path") is None and "gguf" not in model:
+        raise ConfigError(f"{origin}: model: set either model.path (a local HF directory) or model.gguf (package and member)")
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return validate(raw, origin=str(path))
+
+
+def generation_settings(config: dict, dataset: str) -> dict[str, Any]:
+    """The effective generation settings for one dataset: top-level values, then its overrides."""
+    settings = dict(config["generation"])
+    settings.update(config["datasets"][dataset].get("generation") or {})
+    return dict(sorted(settings.items()))
+
+
+def shard_names(config: dict, dataset: str) -> list[str]:
+    return [f"{i:04d}" for i in range(config["datasets"][dataset]["shards"])]
