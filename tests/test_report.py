@@ -1,0 +1,278 @@
+"""The HTML report: self-contained, escaped, and its numbers equal the inputs' sums."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eyrie.report import collect, write_report
+
+SHA_A = "a" * 64
+SHA_B = "b" * 64
+SETTINGS = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 1536, "seed": 0}
+XSS = "<script>alert(1)</script>"
+
+COMPLETION_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("n_turns", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("finish_reasons", pa.list_(pa.string())),
+        ("prompt_tokens", pa.list_(pa.int32())),
+        ("completion_tokens", pa.list_(pa.int32())),
+        ("seconds", pa.float64()),
+    ]
+)
+TOKEN_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("dataset", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("n_tokens", pa.int32()),
+        ("n_assistant_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+    ]
+)
+
+# (id, first user message, completion tokens per turn, prompt tokens per turn, finish reason per turn, seconds)
+COMPLETIONS = {
+    ("chat", "0000"): [
+        ("c1", '<b>bold & "quoted"</b>', [100, 50], [20, 180], ["stop", "stop"], 1.5),
+        ("c2", "hello", [64], [30], ["length"], 0.5),
+        ("c3", "long one", [200, 0], [40, 1600], ["stop", "prompt_too_long"], 2.0),
+    ],
+    ("chat", "0001"): [],  # an empty shard
+    ("sharegpt", "0000"): [
+        ("s1", "hi", [64, 64], [10, 90], ["length", "length"], 1.0),
+        ("s2", "yo", [64], [12], ["length"], 0.6),
+    ],
+    ("sharegpt", "0001"): [("s3", "hey", [30], [15], ["stop"], 0.4)],
+}
+# (id, n_tokens, n_assistant_tokens, truncated)
+TOKENS = {
+    ("chat", "0000"): [("c1", 400, 150, False), ("c2", 120, 64, False), ("c3", 300, 200, True)],
+    ("chat", "0001"): [],
+    ("sharegpt", "0000"): [("s1", 240, 128, False), ("s2", 90, 64, False)],
+    ("sharegpt", "0001"): [("s3", 60, 30, False)],
+}
+DROPPED = {("chat", "0000"): {"empty": 1}, ("sharegpt", "0001"): {"no_assistant": 2, "empty": 1}}
+
+
+def _config() -> dict:
+    return {
+        "model": {"name": "tiny-llama", "path": "/models/tiny-llama", "dtype": "auto", "device": "auto", "trust_remote_code": False},
+        "datasets": {
+            "chat": {"source": {"file": "data/chat.jsonl"}, "format": "openai", "limit": None, "shards": 2, "heldout_fraction": 0.05, "on_bad_record": "error"},
+            "sharegpt": {"source": {"file": "data/sg.json"}, "format": "sharegpt", "limit": 100, "shards": 2, "heldout_fraction": 0.05,
+                         "on_bad_record": "skip", "generation": {"max_new_tokens": 64}},
+        },
+        "generation": dict(SETTINGS),
+        "engine": {"max_batch_tokens": 8192, "max_batch_size": 32},
+        "tokenize": {"max_seq_len": 2048},
+        "plan": {"guess_tokens_per_second": 50, "guess_completion_tokens": 300},
+    }
+
+
+def _summary(dataset: str) -> dict:
+    base = {"dataset": dataset, "format": "openai", "duplicates": 0, "limit": None, "roles_seen": {"user": 3, "assistant": 3}}
+    if dataset == "chat":
+        return {**base, "source": "data/chat.jsonl", "records_read": 3, "bad_records": {}, "bad_examples": [], "usable": 3,
+                "used": 3, "heldout": 0, "train": 3, "shards": {"0000": 3, "0001": 0}, "truncation": None}
+    return {**base, "source": "data/sg.json", "format": "sharegpt", "records_read": 783, "duplicates": 2, "limit": 100,
+            "bad_records": {"missing_value": 2, "unknown_role": 1}, "bad_examples": [f"line 4: value {XSS}", "line 9: role 'robot'"],
+            "usable": 778, "used": 3, "heldout": 0, "train": 3, "shards": {"0000": 2, "0001": 1},
+            "truncation": {"byte_offset": 123456, "line": 789, "records_before": 780}, "roles_seen": {"human": 780, "gpt": 779, "robot": 1}}
+
+
+def _completion_table(dataset: str, shard: str, rows: list, template: str) -> pa.Table:
+    records = [
+        {
+            "id": rid, "dataset": dataset,
+            "messages": [m for i, n in enumerate(comp) for m in ({"role": "user", "content": user if i == 0 else "more"}, {"role": "assistant", "content": "x" * n})],
+            "n_turns": len(comp), "finish_reason": why[-1], "finish_reasons": why,
+            "prompt_tokens": prompt, "completion_tokens": comp, "seconds": secs,
+        }
+        for rid, user, comp, prompt, why, secs in rows
+    ]
+    settings = dict(SETTINGS, max_new_tokens=64 if dataset == "sharegpt" else 256)
+    stats = {"records": len(rows), "turns": sum(len(r[2]) for r in rows), "completion_tokens": sum(sum(r[2]) for r in rows),
+             "prompt_tokens": sum(sum(r[3]) for r in rows), "generation_seconds": sum(r[5] for r in rows),
+             "tokens_per_second": 0.0, "finish_reasons": {}, "resumed_turns": 0}
+    meta = {"dataset": dataset, "shard": shard, "settings": settings, "model_fingerprint": "f" * 64, "template_sha256": template, "stats": stats}
+    return pa.Table.from_pylist(records, schema=COMPLETION_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
+
+
+def _token_table(dataset: str, shard: str, rows: list, template: str) -> pa.Table:
+    records = [
+        {"id": rid, "dataset": dataset, "input_ids": list(range(n)), "loss_mask": [1] * a + [0] * (n - a),
+         "n_tokens": n, "n_assistant_tokens": a, "truncated": trunc}
+        for rid, n, a, trunc in rows
+    ]
+    dropped = DROPPED.get((dataset, shard), {})
+    stats = {"records": len(rows), "truncated": sum(r[3] for r in rows), "dropped": dropped,
+             "tokens": sum(r[1] for r in rows), "assistant_tokens": sum(r[2] for r in rows)}
+    meta = {"dataset": dataset, "shard": shard, "template_sha256": template, "max_seq_len": 2048, "stats": stats}
+    return pa.Table.from_pylist(records, schema=TOKEN_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
+
+
+def _inputs(root: Path, token_templates: dict | None = None) -> tuple[dict, list[str], list[str], list[str]]:
+    """Fake stage outputs under root/results; token_templates overrides a token shard's template_sha256."""
+    summaries, completions, tokens = [], [], []
+    for dataset in ("chat", "sharegpt"):
+        path = root / "results" / "prompts" / dataset / "summary.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(_summary(dataset)))
+        summaries.append(str(path))
+    for (dataset, shard), rows in COMPLETIONS.items():
+        path = root / "results" / "completions" / dataset / f"{shard}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(_completion_table(dataset, shard, rows, SHA_A), path)
+        completions.append(str(path))
+    for (dataset, shard), rows in TOKENS.items():
+        path = root / "results" / "tokens" / dataset / f"{shard}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        template = (token_templates or {}).get((dataset, shard), SHA_A)
+        pq.write_table(_token_table(dataset, shard, rows, template), path)
+        tokens.append(str(path))
+    return _config(), summaries, completions, tokens
+
+
+def _write(tmp_path: Path, **kwargs) -> str:
+    config, summaries, completions, tokens = _inputs(tmp_path, **kwargs)
+    out = tmp_path / "out" / "report.html"
+    write_report(config, summaries, completions, tokens, str(out))
+    return out.read_text(encoding="utf-8")
+
+
+@pytest.fixture
+def html(tmp_path) -> str:
+    return _write(tmp_path)
+
+
+def test_writes_one_self_contained_page(html, tmp_path):
+    assert html.startswith("<!doctype html>")
+    assert "<script" not in html.lower()
+    for tag in re.findall(r"<(?:link|img|iframe|source|object|embed|audio|video)\b[^>]*>", html, flags=re.I):
+        assert "http" not in tag.lower(), tag
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, flags=re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?https?:", html)
+    assert "<svg" in html and "<?xml" not in html  # plots are inline
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.html"]  # no temp file left behind
+
+
+def test_header_says_what_is_built(html):
+    assert "eyrie report" in html and "tiny-llama" in html
+    assert "prompts: 2 of 2 datasets" in html
+    assert "completions: 4 of 4 shards" in html
+    for stage in ("draft vocab", "hidden states", "drafter", "benchmark"):
+        assert f"{stage}: not built yet" in html
+    assert "No speedup or acceptance length has been measured" in html
+
+
+def test_datasets_section(html):
+    assert "the file is truncated: it breaks at byte 123,456 (line 789); 780 records before the break were recovered" in html
+    assert "skipped 3 bad records: missing_value&nbsp;2, unknown_role&nbsp;1" in html
+    assert "0001:&nbsp;0&nbsp;(empty)" in html
+    assert "783" in html
+
+
+def test_regeneration_numbers(html):
+    assert "103.5" in html  # chat: 414 completion tokens / 4.0 s
+    assert "111.0" in html  # sharegpt: 222 / 2.0 s
+    assert "106.0" in html  # overall: 636 / 6.0 s
+    assert "75.0%" in html  # sharegpt: 3 of 4 turns hit the length limit
+    assert "consider raising generation.max_new_tokens (now 64)" in html
+    assert html.count('class="hint"') == 1  # chat's 1 of 6 is under the threshold
+
+
+def test_tokens_numbers_and_no_warning_when_templates_agree(html):
+    assert "1,210" in html  # all tokens
+    assert "52.6%" in html  # 636 assistant of 1,210
+    assert "no_assistant&nbsp;2" in html
+    assert "aaaaaaaaaaaa" in html
+    assert "WARNING" not in html
+
+
+def test_warns_when_a_token_shard_disagrees_on_the_template(tmp_path):
+    html = _write(tmp_path, token_templates={("sharegpt", "0001"): SHA_B})
+    assert "WARNING" in html
+    assert "sharegpt: token shards disagree on template_sha256" in html
+    assert "sharegpt: completions were made with template_sha256" in html
+
+
+def test_warns_when_tokens_and_completions_use_different_templates(tmp_path):
+    html = _write(tmp_path, token_templates={("chat", "0000"): SHA_B, ("chat", "0001"): SHA_B})
+    assert "chat: completions were made with template_sha256" in html
+    assert "disagree" not in html
+
+
+def test_user_text_is_escaped(html):
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "&lt;b&gt;bold &amp; &#34;quoted&#34;&lt;/b&gt;" in html
+    assert "<b>bold" not in html
+
+
+def test_provenance_has_no_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYRIE_TEST_SECRET", "s3cr3t-value-9f2c")
+    html = _write(tmp_path)
+    assert "s3cr3t-value-9f2c" not in html
+    assert "git commit" in html and "pyarrow" in html
+    assert "max_batch_tokens: 8192" in html  # the config as YAML
+
+
+def test_collect_totals_equal_input_sums(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    figures = collect(config, summaries, completions, tokens)
+    comp = pa.concat_tables(pq.read_table(p) for p in completions)
+    toks = pa.concat_tables(pq.read_table(p) for p in tokens)
+    regen, tok = figures["regeneration"]["total"], figures["tokens"]["total"]
+    assert regen["records"] == comp.num_rows == 6
+    assert regen["turns"] == sum(comp["n_turns"].to_pylist())
+    assert regen["completion_tokens"] == sum(sum(t) for t in comp["completion_tokens"].to_pylist()) == 636
+    assert regen["prompt_tokens"] == sum(sum(t) for t in comp["prompt_tokens"].to_pylist())
+    assert regen["generation_seconds"] == pytest.approx(sum(comp["seconds"].to_pylist()))
+    assert regen["tokens_per_second"] == pytest.approx(636 / 6.0)
+    assert sum(regen["finish_reasons"].values()) == sum(len(r) for r in comp["finish_reasons"].to_pylist())
+    assert sum(d["records"] for d in figures["regeneration"]["datasets"]) == regen["records"]
+    assert tok["records"] == toks.num_rows
+    assert tok["tokens"] == sum(toks["n_tokens"].to_pylist())
+    assert tok["assistant_tokens"] == sum(toks["n_assistant_tokens"].to_pylist())
+    assert tok["truncated"] == sum(toks["truncated"].to_pylist()) == 1
+    assert tok["dropped_total"] == sum(sum(d.values()) for d in DROPPED.values())
+    assert figures["datasets"]["total"]["records_read"] == sum(_summary(d)["records_read"] for d in ("chat", "sharegpt"))
+    assert figures["datasets"]["total"]["bad_total"] == 3
+    lengths = {d["name"]: d["lengths"]["turns"] for d in figures["regeneration"]["datasets"]}
+    assert lengths == {"chat": 4, "sharegpt": 4}  # chat's prompt_too_long turn is not a length
+    assert [d["name"] for d in figures["regeneration"]["datasets"]] == ["chat", "sharegpt"]
+    assert figures["regeneration"]["datasets"][0]["empty_shards"] == ["0001"]
+    json.dumps(figures)  # plain data only
+
+
+def test_renders_with_nothing_built(tmp_path):
+    out = tmp_path / "report.html"
+    write_report(_config(), [], [], [], str(out))
+    html = out.read_text()
+    assert "Completions not built yet." in html and "Tokens not built yet." in html
+    assert "prompts not built yet" in html
+
+
+def test_unreadable_inputs_are_reported_not_fatal(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    broken = tmp_path / "results" / "completions" / "chat" / "0002.parquet"
+    broken.write_bytes(b"not parquet")
+    bad_json = tmp_path / "bad_summary.json"
+    bad_json.write_text("{")
+    out = tmp_path / "report.html"
+    out.write_text("old page")
+    write_report(config, summaries + [str(bad_json)], completions + [str(broken), str(tmp_path / "missing.parquet")], tokens, str(out))
+    html = out.read_text()
+    assert "could not read" in html and "0002.parquet" in html and "missing.parquet" in html
+    assert "103.5" in html  # the readable shards still count
