@@ -1,4 +1,5 @@
 # Config validation, wildcard constraints and input functions; no work happens here.
+import json
 import os
 import re
 
@@ -17,6 +18,11 @@ wildcard_constraints:
     shard=r"\d{4}",
     package=r"[A-Za-z0-9._-]+",
     filename=r"[^/]+",
+
+
+def canonical(value):
+    """Params with sorted keys: Snakemake compares params as text, and reordering a config must not rerun work."""
+    return json.loads(json.dumps(value, sort_keys=True))
 
 
 def shards(dataset):

@@ -14,7 +14,7 @@ for _dataset in DATASETS:
             summary=f"results/prompts/{_dataset}/summary.json",
         params:
             dataset=_dataset,
-            spec={k: v for k, v in config["datasets"][_dataset].items() if k != "generation"},
+            spec=canonical({k: v for k, v in config["datasets"][_dataset].items() if k != "generation"}),
         log:
             f"logs/prompts/{_dataset}.log",
         script:

@@ -9,8 +9,8 @@ rule regenerate_shard:
         "results/completions/{dataset}/{shard}.parquet",
     params:
         # Only what changes the completions; engine batch sizes are deliberately not here.
-        settings=lambda wc: eyrie.config.generation_settings(config, wc.dataset),
-        model={k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")},
+        settings=lambda wc: canonical(eyrie.config.generation_settings(config, wc.dataset)),
+        model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),
         # Kept outside the declared output so a failed or killed job keeps its finished turns.
         partial_dir="results/partial/completions/{dataset}/{shard}",
     threads: workflow.cores

@@ -142,3 +142,17 @@ def test_kill_during_regeneration_then_rerun_keeps_each_prompt_once(tmp_path, sh
     assert sorted(ids) == sorted(p["id"] for p in prompts)
     stats = json.loads(table.schema.metadata[b"eyrie"])["stats"]
     assert stats["resumed_turns"] >= kept >= 3
+
+
+def test_reordering_the_config_reruns_nothing(built):
+    config_path = built / "config.yaml"
+    original = config_path.read_text()
+    config = yaml.safe_load(original)
+    reordered = {key: config[key] for key in reversed(list(config))}
+    reordered["datasets"] = {name: dict(reversed(list(spec.items()))) for name, spec in reversed(list(config["datasets"].items()))}
+    config_path.write_text(yaml.safe_dump(reordered, sort_keys=False))
+    try:
+        out = snakemake(built, "-n", "report.html")
+    finally:
+        config_path.write_text(original)
+    assert "Nothing to be done" in out.stdout + out.stderr
