@@ -9,6 +9,10 @@ include: "rules/resources.smk"
 include: "rules/data.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"
+include: "rules/vocab.smk"
+include: "rules/hidden.smk"
+include: "rules/train.smk"
+include: "rules/bench.smk"
 include: "rules/report.smk"
 
 

@@ -2,13 +2,19 @@
 
 
 rule write_report:
+    localrule: True  # seconds of work: not worth a queue wait
     input:
         summaries=expand("results/prompts/{dataset}/summary.json", dataset=DATASETS),
         completions=all_of("results/completions/{dataset}/{shard}.parquet"),
         tokens=all_of("results/tokens/{dataset}/{shard}.parquet"),
+        vocab="results/vocab/draft_vocab.safetensors",
+        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors"),
+        drafter="results/drafter",
+        bench=expand("results/bench/{benchmark}.json", benchmark=BENCHMARKS),
     output:
         "report.html",
     log:
         "logs/report.log",
+    conda: "../envs/cpu.yaml"
     script:
         "../scripts/write_report.py"

@@ -93,7 +93,7 @@ def test_changing_one_dataset_setting_reruns_only_that_dataset(built):
         ("regenerate_shard", "dataset=local, shard=0000"),
         ("tokenize_shard", "dataset=local, shard=0000"),
     }
-    assert {rule for rule, _ in jobs} == {"regenerate_shard", "tokenize_shard", "write_report", "all"}
+    assert {rule for rule, _ in jobs} == {"regenerate_shard", "tokenize_shard", "write_report"}
 
 
 def test_plan_reports_finished_work(built):

@@ -29,3 +29,7 @@ class BadRecordError(EyrieError):
 
 class InputFileError(EyrieError):
     """The whole input file is unusable (missing, empty, unreadable format)."""
+
+
+class ContractError(EyrieError):
+    """Two stages disagree (template, target, layer ids, shapes): continuing would waste the work downstream."""

@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eyrie.chat import tokenize_conversation
+from eyrie.errors import ContractError
 from eyrie.generate import write_parquet_atomic
 
 TOKENS_SCHEMA = pa.schema(
@@ -37,7 +38,7 @@ def read_eyrie_metadata(path: str) -> dict:
 def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_sha256: str, max_seq_len: int) -> dict:
     source = read_eyrie_metadata(completions_path)
     if source.get("template_sha256") not in (None, template_sha256):
-        raise ValueError(
+        raise ContractError(
             f"{completions_path}: was generated with chat template {source['template_sha256'][:12]}, "
             f"but the tokenizer's template is {template_sha256[:12]}; regenerate or point model.path at the same target"
         )

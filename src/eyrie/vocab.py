@@ -78,13 +78,15 @@ def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
 
 
 def _save_atomic(tensors: dict, metadata: dict, out_path: str | Path) -> None:
-    from safetensors.torch import save_file
+    """safetensors bytes to a temp name beside out_path, then os.replace: readers never see a partial file."""
+    from safetensors.torch import save
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        # save() + a plain open() rather than save_file(): the file gets the usual umask permissions.
+        tmp.write_bytes(save(tensors, metadata=metadata))
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,0 +1,23 @@
+# Hidden-state caches + draft vocab -> the EAGLE-3 drafter checkpoint that SGLang loads.
+
+
+rule train_drafter:
+    input:
+        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors"),
+        vocab="results/vocab/draft_vocab.safetensors",
+        model=model_dir(),
+    output:
+        directory("results/drafter"),
+    params:
+        drafter=canonical(config["drafter"]),
+        train=canonical(config["train"]),
+        # Resume state lives outside the declared output, which is written once at the end.
+        state_dir="results/partial/train",
+    threads: workflow.cores
+    log:
+        "logs/train/drafter.log",
+    benchmark:
+        "benchmarks/train/drafter.tsv"
+    conda: "../envs/cuda.yaml"
+    script:
+        "../scripts/train_drafter.py"

@@ -1,0 +1,13 @@
+# Snakemake entry point: assistant-token counts -> draft vocabulary (see eyrie.vocab).
+from transformers import AutoConfig
+
+from eyrie.joblog import job_log
+from eyrie.vocab import build_draft_vocab
+
+with job_log(snakemake.log[0]):
+    build_draft_vocab(
+        token_shards=list(snakemake.input.tokens),
+        target_vocab_size=AutoConfig.from_pretrained(snakemake.input.model).vocab_size,
+        draft_vocab_size=snakemake.params.draft_vocab_size,
+        out_path=snakemake.output[0],
+    )

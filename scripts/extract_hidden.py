@@ -1,0 +1,21 @@
+# Snakemake entry point: token shard -> hidden-state cache (see eyrie.hidden).
+import torch
+
+from eyrie.hidden import default_aux_layer_ids, extract_shard
+from eyrie.joblog import job_log
+from eyrie.model import load_target, model_fingerprint, template_fingerprint
+
+with job_log(snakemake.log[0]):
+    torch.set_num_threads(snakemake.threads)
+    model, tokenizer = load_target(snakemake.input.model, **snakemake.params.model)
+    aux_layer_ids = snakemake.params.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
+    extract_shard(
+        tokens_path=snakemake.input.tokens,
+        out_path=snakemake.output[0],
+        model=model,
+        model_fingerprint=model_fingerprint(snakemake.input.model),
+        template_sha256=template_fingerprint(tokenizer),
+        aux_layer_ids=aux_layer_ids,
+        batch_tokens=snakemake.params.hidden["batch_tokens"],
+        dtype=snakemake.params.hidden["dtype"],
+    )

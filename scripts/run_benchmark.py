@@ -1,0 +1,16 @@
+# Snakemake entry point: speculative vs plain greedy decoding on one benchmark (see eyrie.bench).
+import torch
+
+from eyrie.bench import run_benchmark_job
+from eyrie.joblog import job_log
+
+with job_log(snakemake.log[0]):
+    torch.set_num_threads(snakemake.threads)
+    run_benchmark_job(
+        benchmark=snakemake.wildcards.get("dataset", "humaneval"),
+        prompts_path=snakemake.input.prompts,
+        drafter_dir=snakemake.input.drafter,
+        target_dir=snakemake.input.model,
+        bench_cfg=snakemake.params.bench,
+        out_path=snakemake.output[0],
+    )

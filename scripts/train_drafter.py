@@ -1,0 +1,21 @@
+# Snakemake entry point: hidden-state caches -> EAGLE-3 drafter checkpoint (see eyrie.train).
+import torch
+
+from eyrie.joblog import job_log
+from eyrie.model import load_tokenizer, model_fingerprint, template_fingerprint
+from eyrie.train import train_drafter
+
+with job_log(snakemake.log[0]):
+    torch.set_num_threads(snakemake.threads)
+    tokenizer = load_tokenizer(snakemake.input.model, snakemake.config["model"]["trust_remote_code"])
+    train_drafter(
+        hidden_paths=list(snakemake.input.hidden),
+        vocab_path=snakemake.input.vocab,
+        target_dir=snakemake.input.model,
+        out_dir=snakemake.output[0],
+        state_dir=snakemake.params.state_dir,
+        drafter_cfg=snakemake.params.drafter,
+        train_cfg=snakemake.params.train,
+        template_sha256=template_fingerprint(tokenizer),
+        target_fingerprint=model_fingerprint(snakemake.input.model),
+    )

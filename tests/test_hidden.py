@@ -1,0 +1,334 @@
+"""Hidden-state cache with the real target: the aux-layer mapping (off-by-one), the final normed state,
+exact round trip of the token shard, batching invariance, and refusal of mismatched caches."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eyrie.hidden import (
+    AuxLayerError,
+    HiddenCacheMismatchError,
+    HiddenTemplateError,
+    capture_indices,
+    check_manifest,
+    default_aux_layer_ids,
+    extract_shard,
+    load_hidden,
+    plan_token_batches,
+    read_manifest,
+)
+from eyrie.tokenize import TOKENS_SCHEMA
+
+AUX = [1, 14, 26]  # the SmolLM2 (30 layers) default: [1, N//2 - 1, N - 4]
+FINGERPRINT = "f" * 64
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+    [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "It is four, as two plus two makes four."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "Six."},
+    ],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],
+    [{"role": "user", "content": "List three fruits."}, {"role": "assistant", "content": "Apple, pear, plum and a ripe fig."}],
+]
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def test_default_aux_layers_and_capture_indices():
+    assert default_aux_layer_ids(30) == [1, 14, 26]
+    assert default_aux_layer_ids(32) == [1, 15, 28]
+    # SGLang adds one: the output of layer i is transformers' output_hidden_states[i + 1].
+    assert capture_indices([1, 14, 26], 30) == [2, 15, 27]
+    assert capture_indices([0, 5, 28], 30) == [1, 6, 29]
+
+
+@pytest.mark.parametrize("ids", [[1, 14, 29], [-1, 2, 3], [1, 14], [1, 14, 26, 27], [3, 3, 5], [1.0, 2, 3], [True, 2, 3]])
+def test_capture_indices_refuses_bad_ids(ids):
+    with pytest.raises(AuxLayerError):
+        capture_indices(ids, 30)
+
+
+def test_default_refuses_a_too_shallow_target():
+    with pytest.raises(AuxLayerError):
+        default_aux_layer_ids(4)
+
+
+def test_token_batches_respect_the_budget():
+    lengths = [5, 30, 0, 12, 40, 7, 100]
+    batches = plan_token_batches(lengths, 64)
+    assert sorted(k for b in batches for k in b) == [0, 1, 3, 4, 5, 6]  # the empty sample needs no forward
+    assert batches[0] == [6]  # longer than the budget: alone, and first
+    for batch in batches:
+        longest = max(lengths[k] for k in batch)
+        assert len(batch) == 1 or len(batch) * longest <= 64
+
+
+def test_writer_settles_its_own_size_for_any_length(tmp_path):
+    """The manifest states the file's size, which depends on the manifest: the writer must settle for every length."""
+    from safetensors.torch import load_file
+
+    from eyrie.hidden import _SafetensorsWriter
+
+    for tokens in range(1, 400, 3):
+        path = tmp_path / f"{tokens}.safetensors"
+        manifest = {"tokens": tokens, "ids": ["x"] * (tokens % 7)}
+        writer = _SafetensorsWriter(path, [("a", "bfloat16", (tokens, 3)), ("b", "int8", (tokens,))], manifest)
+        values = torch.arange(tokens * 3, dtype=torch.bfloat16).reshape(tokens, 3)
+        writer.write_rows("a", 1, values[1:])
+        writer.write_rows("a", 0, values[:1])
+        writer.write_rows("b", 0, torch.ones(tokens, dtype=torch.int8))
+        writer.close()
+        assert path.stat().st_size == manifest["file_bytes"]
+        assert read_manifest(path) == manifest
+        loaded = load_file(str(path))
+        assert torch.equal(loaded["a"], values) and loaded["b"].sum() == tokens
+
+
+# --------------------------------------------------------------------------- with the real target
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    from eyrie.model import load_target
+
+    torch.set_num_threads(2)
+    model, tokenizer = load_target(model_dir, dtype="float32", device="cpu")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def template(target):
+    from eyrie.model import template_fingerprint
+
+    return template_fingerprint(target[1])
+
+
+@pytest.fixture(scope="module")
+def token_shard(target, template, tmp_path_factory):
+    from eyrie.chat import tokenize_conversation
+
+    rows = []
+    for k, messages in enumerate(CONVERSATIONS):
+        tokens = tokenize_conversation(target[1], messages, 256)
+        rows.append(
+            {
+                "id": f"sample-{k}",
+                "dataset": "t",
+                "input_ids": tokens.input_ids,
+                "loss_mask": tokens.loss_mask,
+                "n_tokens": len(tokens.input_ids),
+                "n_assistant_tokens": sum(tokens.loss_mask),
+                "truncated": tokens.truncated,
+            }
+        )
+    lengths = [r["n_tokens"] for r in rows]
+    assert len(set(lengths)) == len(lengths), "the samples must differ in length to exercise padding"
+    meta = {"template_sha256": template, "max_seq_len": 256, "stats": {}}
+    table = pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
+    path = tmp_path_factory.mktemp("tokens") / "0000.parquet"
+    pq.write_table(table, path)
+    return str(path), rows
+
+
+def extract(target, template, token_shard, out_dir, name, **kwargs):
+    out = out_dir / f"{name}.safetensors"
+    manifest = extract_shard(
+        tokens_path=token_shard[0],
+        out_path=str(out),
+        model=target[0],
+        model_fingerprint=FINGERPRINT,
+        template_sha256=template,
+        aux_layer_ids=AUX,
+        progress=False,
+        **kwargs,
+    )
+    tensors, loaded = load_hidden(out)
+    assert loaded == manifest
+    return tensors, manifest, out
+
+
+@pytest.fixture(scope="module")
+def caches(target, template, token_shard, tmp_path_factory):
+    """fp32 batched (all samples in one padded batch), fp32 one sample per batch, bf16 batched."""
+    out_dir = tmp_path_factory.mktemp("hidden")
+    return {
+        "batched": extract(target, template, token_shard, out_dir, "batched", batch_tokens=4096, dtype="float32"),
+        "single": extract(target, template, token_shard, out_dir, "single", batch_tokens=1, dtype="float32"),
+        "bf16": extract(target, template, token_shard, out_dir, "bf16", batch_tokens=4096),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(target, token_shard):
+    """The full model, one sample at a time, fp32: output_hidden_states, logits, and the last layer's raw output."""
+    model = target[0]
+    raw = []
+    hook = model.model.layers[-1].register_forward_hook(lambda mod, args, output: raw.append(output[0] if isinstance(output, tuple) else output))
+    out = []
+    try:
+        with torch.inference_mode():
+            for row in token_shard[1]:
+                result = model(input_ids=torch.tensor([row["input_ids"]]), output_hidden_states=True)
+                out.append(([h[0] for h in result.hidden_states], result.logits[0], raw.pop()[0]))
+    finally:
+        hook.remove()
+    return out
+
+
+def spans(tensors):
+    offsets = tensors["offsets"].tolist()
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+@pytest.mark.parametrize("mode", ["batched", "single", "bf16"])
+def test_aux_slices_are_output_hidden_states_i_plus_1(caches, reference, mode):
+    """The off-by-one test: the aux slice for SGLang id i is output_hidden_states[i + 1], not [i] nor [i + 2]."""
+    tensors, manifest, _ = caches[mode]
+    H = manifest["hidden_size"]
+    assert manifest["aux_layer_ids"] == AUX and manifest["capture_indices"] == [i + 1 for i in AUX]
+    dtype = tensors["aux_hidden"].dtype
+    assert dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+    # bf16 caches may differ from the rounded reference by one bf16 step where fp32 batching noise crosses a rounding edge.
+    tol = dict(rtol=1e-2, atol=1e-2) if mode == "bf16" else dict(rtol=1e-4, atol=1e-4)
+    for (a, b), (hidden_states, _, _) in zip(spans(tensors), reference):
+        for j, i in enumerate(AUX):
+            cached = tensors["aux_hidden"][a:b, j * H : (j + 1) * H].float()
+            expected = hidden_states[i + 1].to(dtype).float()
+            torch.testing.assert_close(cached, expected, **tol)
+            for wrong in (i, i + 2):
+                assert not torch.allclose(cached, hidden_states[wrong].to(dtype).float(), **tol), f"id {i} matches index {wrong}"
+
+
+@pytest.mark.parametrize("mode", ["batched", "single"])
+def test_final_hidden_is_the_normed_state_that_gives_the_logits(target, caches, reference, mode):
+    model = target[0]
+    tensors, _, _ = caches[mode]
+    with torch.inference_mode():
+        for (a, b), (_, logits, raw_last) in zip(spans(tensors), reference):
+            final = tensors["final_hidden"][a:b]
+            ours = model.lm_head(final)
+            torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-3)
+            assert torch.equal(ours.argmax(-1), logits.argmax(-1))
+            # The last decoder layer's raw (pre-norm) output is not what the cache must hold.
+            assert not torch.allclose(final, raw_last, atol=1e-2)
+            torch.testing.assert_close(final, model.model.norm(raw_last), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_final_hidden_keeps_the_argmax_mostly(target, caches, reference):
+    model = target[0]
+    tensors, _, _ = caches["bf16"]
+    agree = total = 0
+    with torch.inference_mode():
+        for (a, b), (_, logits, _) in zip(spans(tensors), reference):
+            ours = model.lm_head(tensors["final_hidden"][a:b].float())
+            agree += int((ours.argmax(-1) == logits.argmax(-1)).sum())
+            total += b - a
+    assert agree / total > 0.9
+
+
+@pytest.mark.parametrize("mode", ["batched", "single", "bf16"])
+def test_tokens_round_trip_exactly(caches, token_shard, mode):
+    tensors, manifest, _ = caches[mode]
+    rows = token_shard[1]
+    assert manifest["ids"] == [r["id"] for r in rows]  # shard order, not the length-sorted batch order
+    assert manifest["samples"] == len(rows)
+    assert manifest["tokens"] == sum(r["n_tokens"] for r in rows)
+    assert tensors["input_ids"].dtype == torch.int32 and tensors["loss_mask"].dtype == torch.int8
+    assert tensors["offsets"].dtype == torch.int64 and tensors["offsets"][0] == 0
+    for (a, b), row in zip(spans(tensors), rows):
+        assert tensors["input_ids"][a:b].tolist() == row["input_ids"]
+        assert tensors["loss_mask"][a:b].tolist() == row["loss_mask"]
+
+
+def test_batching_by_tokens_matches_one_sample_batches(caches, token_shard):
+    lengths = [r["n_tokens"] for r in token_shard[1]]
+    assert plan_token_batches(lengths, 4096) == [sorted(range(len(lengths)), key=lambda k: -lengths[k])]
+    batched, single = caches["batched"][0], caches["single"][0]
+    for name in ("aux_hidden", "final_hidden"):
+        torch.testing.assert_close(batched[name], single[name], rtol=1e-4, atol=1e-4)
+    for name in ("input_ids", "loss_mask", "offsets"):
+        assert torch.equal(batched[name], single[name])
+
+
+def test_manifest_and_file(caches, target, template):
+    tensors, manifest, path = caches["bf16"]
+    config = target[0].config
+    assert manifest["num_hidden_layers"] == config.num_hidden_layers == 30
+    assert manifest["hidden_size"] == config.hidden_size == 576
+    assert manifest["target_model_fingerprint"] == FINGERPRINT and manifest["template_sha256"] == template
+    assert manifest["dtype"] == "bfloat16"
+    assert tensors["aux_hidden"].shape == (manifest["tokens"], 3 * 576)
+    assert tensors["final_hidden"].shape == (manifest["tokens"], 576)
+    size = os.path.getsize(path)
+    assert manifest["file_bytes"] == size
+    assert manifest["bytes_per_token"] == pytest.approx(size / manifest["tokens"], abs=1e-3)
+    assert read_manifest(path) == manifest
+    # 3H + H bf16 values, an int32 id and an int8 mask per token; the rest is offsets and the header.
+    assert manifest["bytes_per_token"] > 8 * 576 + 5
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_template_mismatch_refused(target, token_shard, tmp_path):
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(HiddenTemplateError, match="0000.parquet") as excinfo:
+        extract_shard(
+            tokens_path=token_shard[0],
+            out_path=str(out),
+            model=target[0],
+            model_fingerprint=FINGERPRINT,
+            template_sha256="0" * 64,
+            aux_layer_ids=AUX,
+            batch_tokens=4096,
+            progress=False,
+        )
+    assert "0" * 64 in str(excinfo.value)
+    assert not out.exists()
+
+
+def test_check_manifest_refuses_mismatches(caches, template):
+    _, manifest, path = caches["bf16"]
+    good = dict(target_model_fingerprint=FINGERPRINT, template_sha256=template, aux_layer_ids=AUX, hidden_size=576)
+    check_manifest(manifest, **good, path=path)
+    with pytest.raises(HiddenCacheMismatchError) as excinfo:
+        check_manifest(manifest, **{**good, "target_model_fingerprint": "e" * 64}, path=path)
+    message = str(excinfo.value)
+    assert str(path) in message and "e" * 64 in message and FINGERPRINT in message
+    with pytest.raises(AuxLayerError, match=r"29.*outside 0\.\.28") as excinfo:
+        check_manifest(manifest, **{**good, "aux_layer_ids": [1, 14, 29]}, path=path)
+    assert str(path) in str(excinfo.value)
+    with pytest.raises(HiddenCacheMismatchError, match="aux layer ids"):
+        check_manifest(manifest, **{**good, "aux_layer_ids": [2, 15, 27]}, path=path)
+    with pytest.raises(HiddenCacheMismatchError, match="chat template"):
+        check_manifest(manifest, **{**good, "template_sha256": "1" * 64}, path=path)
+    with pytest.raises(HiddenCacheMismatchError, match="hidden size"):
+        check_manifest(manifest, **{**good, "hidden_size": 960}, path=path)
+
+
+def test_empty_shard_gives_an_empty_cache(target, template, tmp_path):
+    meta = {"template_sha256": template, "max_seq_len": 256, "stats": {}}
+    table = pa.Table.from_pylist([], schema=TOKENS_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
+    pq.write_table(table, tmp_path / "empty.parquet")
+    manifest = extract_shard(
+        tokens_path=str(tmp_path / "empty.parquet"),
+        out_path=str(tmp_path / "empty.safetensors"),
+        model=target[0],
+        model_fingerprint=FINGERPRINT,
+        template_sha256=template,
+        aux_layer_ids=AUX,
+        batch_tokens=64,
+        progress=False,
+    )
+    tensors, loaded = load_hidden(tmp_path / "empty.safetensors")
+    assert loaded == manifest and manifest["samples"] == 0 and manifest["tokens"] == 0
+    assert tensors["aux_hidden"].shape == (0, 3 * 576) and tensors["offsets"].tolist() == [0]
