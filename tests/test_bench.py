@@ -1,0 +1,165 @@
+"""The benchmark: measured, written even when it fails, and refusing a drafter trained on another template."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eyrie.bench import (
+    BenchTemplateMismatchError,
+    DrafterNotEngagedError,
+    load_benchmark_prompts,
+    run_benchmark,
+)
+from eyrie.errors import BadRecordError
+
+PROMPTS = [
+    {"id": "p-1", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
+    {
+        "id": "p-2",
+        "messages": [
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+    },
+]
+CFG = {"draft_tokens": 3, "max_new_tokens": 12, "min_acceptance_length": 1.05, "dtype": "float32"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a small shared CI box, OpenMP threads spin-waiting on each other slow these runs 10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    from eyrie.model import load_target
+
+    return load_target(model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    from eyrie.drafter import DrafterShape, Eagle3Drafter
+    from eyrie.hidden import default_aux_layer_ids
+
+    model, _ = target
+    torch.manual_seed(0)
+    vocab, draft_vocab = model.config.vocab_size, 2048
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    shape = DrafterShape.from_target(model.config, draft_vocab, default_aux_layer_ids(model.config.num_hidden_layers))
+    return Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab), t2d).eval()
+
+
+def save_drafter(drafter, out_dir, template_sha256: str, **eyrie):
+    """A drafter directory as the train stage writes it: SGLang's config plus eyrie's block, safetensors."""
+    from safetensors.torch import save_file
+
+    from eyrie.train import checkpoint_tensors
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = drafter.shape.sglang_config(torch_dtype="float32")
+    config["eyrie"] = {"template_sha256": template_sha256, **eyrie}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    save_file(checkpoint_tensors(drafter, torch.float32), str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def test_not_engaged_drafter_fails_after_writing_everything_measured(tmp_path, model_dir, target, drafter):
+    from eyrie.model import template_fingerprint
+
+    _, tokenizer = target
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter", template_fingerprint(tokenizer))
+    out = tmp_path / "bench" / "local.json"
+    with pytest.raises(DrafterNotEngagedError) as raised:
+        run_benchmark(
+            target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS, benchmark_name="local",
+            bench_cfg=CFG, out_path=out, template_sha256_expected=template_fingerprint(tokenizer), device="cpu",
+        )
+    message = str(raised.value)
+    for cause in ("EAGLE3", "off by one", "d2t", "chat template", "fc fed"):
+        assert cause in message
+    written = json.loads(out.read_text())
+    assert written["error"] == message
+    assert 1.0 <= written["mean_acceptance_length"] < CFG["min_acceptance_length"]
+    assert written["lossless"] is True  # float32: speculation never changes the output, even with a useless drafter
+    assert written["prompts"] == 2 and written["draft_tokens"] == 3 and written["dtype"] == "float32"
+    assert written["device"] == "cpu" and "torch threads" in written["hardware"]
+    assert len(written["acceptance_rate_per_position"]) == 3
+    assert written["speedup"] == pytest.approx(written["spec_tokens_per_s"] / written["greedy_tokens_per_s"])
+    rows = {row["id"]: row for row in written["per_prompt"]}
+    assert set(rows) == {"p-1", "p-2"}
+    for row in rows.values():
+        assert row["identical"] is True and row["first_divergence"] is None
+        assert 1 <= row["new_tokens"] <= CFG["max_new_tokens"] and row["rounds"] == len(row["acceptance_lengths"])
+        assert row["greedy_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
+    rounds = sum(row["rounds"] for row in rows.values())
+    assert written["mean_acceptance_length"] == pytest.approx(sum(sum(r["acceptance_lengths"]) for r in rows.values()) / rounds)
+
+
+def test_engaged_run_returns_what_it_writes(tmp_path, model_dir, drafter):
+    out = tmp_path / "bench.json"
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0}, out_path=out, device="cpu",
+    )
+    assert result["error"] is None
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+
+
+def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, drafter):
+    from eyrie.model import template_fingerprint
+
+    out = tmp_path / "bench.json"
+    with pytest.raises(BenchTemplateMismatchError, match="template_sha256_expected is 000000000000"):
+        run_benchmark(
+            target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS, benchmark_name="local",
+            bench_cfg=CFG, out_path=out, template_sha256_expected="0" * 64, device="cpu",
+        )
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter", "f" * 64)
+    with pytest.raises(BenchTemplateMismatchError, match="config.json eyrie.template_sha256 is ffffffffffff"):
+        run_benchmark(
+            target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS, benchmark_name="local",
+            bench_cfg=CFG, out_path=out, device="cpu",
+        )
+    other_target = save_drafter(drafter, tmp_path / "other", template_fingerprint(target[1]), target_fingerprint="0" * 64)
+    with pytest.raises(BenchTemplateMismatchError, match="trained for another target"):
+        run_benchmark(
+            target_dir=model_dir, drafter_dir_or_model=other_target, prompts=PROMPTS, benchmark_name="local",
+            bench_cfg=CFG, out_path=out, device="cpu",
+        )
+    assert not out.exists()
+
+
+def test_benchmark_prompts_from_heldout_parquet_and_humaneval(tmp_path):
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema([("id", pa.string()), ("dataset", pa.string()), ("messages", pa.list_(message))])
+    rows = [{"id": f"r{i}", "dataset": "d", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "heldout.parquet")
+    heldout = load_benchmark_prompts("d", tmp_path / "heldout.parquet", limit=2)
+    assert heldout == [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
+
+    records = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n"} for i in range(3)]
+    with gzip.open(tmp_path / "HumanEval.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    humaneval = load_benchmark_prompts("humaneval", tmp_path / "HumanEval.jsonl.gz", limit=2)
+    assert [p["id"] for p in humaneval] == ["HumanEval/0", "HumanEval/1"]
+    assert humaneval[1]["messages"][0]["role"] == "user" and records[1]["prompt"] in humaneval[1]["messages"][0]["content"]
+
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0"}) + "\n")
+    with pytest.raises(BadRecordError, match="line 1"):
+        load_benchmark_prompts("humaneval", tmp_path / "bad.jsonl.gz")

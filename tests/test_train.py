@@ -1,0 +1,496 @@
+"""Drafter training: TTT alignment tied to inference, SGLang checkpoint layout, resume, guards, overfitting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eyrie.drafter import CheckpointError, DraftCache, DrafterShape, Eagle3Drafter, check_checkpoint
+from eyrie.errors import EyrieError
+from eyrie.train import (
+    TrainingInputError,
+    load_drafter,
+    load_target_head,
+    needed_targets,
+    step_targets,
+    target_distribution,
+    target_text_config,
+    train_drafter,
+    ttt_forward,
+    ttt_loss,
+)
+
+TEMPLATE = "a" * 64
+FINGERPRINT = "f" * 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one thread is fastest, and immune to a busy machine's oversubscription."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def make_target(path, *, H=32, heads=4, kv_heads=2, intermediate=64, layers=8, V=120, tied=False, seed=0):
+    """A tiny Llama target: config.json plus only the tensors training reads (embeddings, head, final norm)."""
+    from transformers import LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(
+        hidden_size=H,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=H // heads,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        vocab_size=V,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+    ).save_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"model.embed_tokens.weight": torch.randn(V, H, generator=g), "model.norm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
+    if not tied:
+        tensors["lm_head.weight"] = torch.randn(V, H, generator=g)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fingerprint=FINGERPRINT, seed=0, aux_width=None, final_scale=1.0):
+    """A hidden-state cache shard in eyrie.hidden's format, with random states from a fixed seed."""
+    aux_ids = aux_ids or [1, layers // 2 - 1, layers - 4]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.as_tensor(s[0], dtype=torch.int32) for s in samples])
+    mask = torch.cat([torch.as_tensor(s[1], dtype=torch.int8) for s in samples])
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([len(s[0]) for s in samples]), 0)
+    T = ids.numel()
+    tensors = {
+        "aux_hidden": torch.randn(T, aux_width or 3 * H, generator=g).to(torch.bfloat16),
+        "final_hidden": (final_scale * torch.randn(T, H, generator=g)).to(torch.bfloat16),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "offsets": offsets,
+    }
+    manifest = {
+        "format": "eyrie-hidden/1",
+        "aux_layer_ids": aux_ids,
+        "capture_indices": [i + 1 for i in aux_ids],
+        "num_hidden_layers": layers,
+        "hidden_size": H,
+        "target_model_fingerprint": fingerprint,
+        "template_sha256": template,
+        "dtype": "bfloat16",
+        "samples": len(samples),
+        "tokens": T,
+        "ids": [f"s{k}" for k in range(len(samples))],
+    }
+    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
+    return str(path)
+
+
+def write_vocab(path, draft_ids, V, template=TEMPLATE):
+    draft_ids = torch.as_tensor(sorted(draft_ids), dtype=torch.int64)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors = {
+        "d2t": draft_ids - torch.arange(draft_ids.numel()),
+        "t2d": t2d,
+        "counts": torch.ones(V, dtype=torch.int64),
+        "draft_ids": draft_ids,
+    }
+    manifest = {"draft_vocab_size": draft_ids.numel(), "target_vocab_size": V, "template_sha256": template}
+    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
+    return str(path)
+
+
+def random_samples(n, length, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [length] * n if isinstance(length, int) else length
+    return [(torch.randint(0, V, (L,), generator=g).tolist(), [0] * 2 + [1] * (L - 2)) for L in lengths]
+
+
+def tiny_setup(tmp_path, *, samples=None, V=120, H=32, layers=8, draft_ids=None, tied=False, **cache_kw):
+    target = make_target(tmp_path / "target", H=H, V=V, layers=layers, tied=tied)
+    samples = samples or random_samples(2, 24, V)
+    cache = write_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers, **cache_kw)
+    vocab = write_vocab(tmp_path / "vocab.safetensors", draft_ids if draft_ids is not None else range(V), V)
+    return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
+
+
+def run(tmp_path, inputs, name="drafter", drafter=None, train=None, **kw):
+    return train_drafter(
+        **inputs,
+        out_dir=str(tmp_path / name),
+        state_dir=str(tmp_path / f"{name}.state"),
+        drafter_cfg={"ttt_steps": 3, **(drafter or {})},
+        train_cfg={"epochs": 1, "dtype": "float32", "device": "cpu", "log_every": 1, **(train or {})},
+        template_sha256=TEMPLATE,
+        target_fingerprint=FINGERPRINT,
+        progress=False,
+        **kw,
+    )
+
+
+def tiny_model(V=120, H=32, Vd=None, seed=0):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=64,
+                         num_hidden_layers=8, vocab_size=V, max_position_embeddings=512)
+    Vd = Vd or V
+    torch.manual_seed(seed)
+    draft_ids = torch.arange(0, V, V // Vd)[:Vd]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    shape = DrafterShape.from_target(config, Vd, [1, 3, 4])
+    model = Eagle3Drafter(shape, torch.randn(V, H), draft_ids - torch.arange(Vd), t2d)
+    with torch.no_grad():  # non-trivial norms so that every weight matters
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- TTT alignment
+
+
+def test_step_inputs_are_tokens_t_plus_1_plus_j_at_rotary_position_t_plus_j(monkeypatch):
+    model = tiny_model()
+    L, steps = 10, 4
+    ids = torch.arange(100, 100 + L).unsqueeze(0)  # token t is 100 + t: the fed ids name their index
+    seen = []
+    original = model.layer_inputs
+
+    def spy(hidden, input_ids, positions):
+        seen.append((input_ids.clone(), positions.clone()))
+        return original(hidden, input_ids, positions)
+
+    monkeypatch.setattr(model, "layer_inputs", spy)
+    ttt_forward(model, torch.randn(1, L, 96), ids, torch.tensor([L]), steps)
+    assert len(seen) == steps
+    for j, (tokens, positions) in enumerate(seen):
+        for t in range(L):
+            assert positions[0, t] == t + j
+            expected = 100 + t + 1 + j if t + 1 + j < L else 0  # past the end: padding, masked out of the loss
+            assert tokens[0, t] == expected, (j, t)
+
+
+def test_step_targets_are_the_target_distribution_at_t_plus_1_plus_j():
+    B, L = 2, 9
+    lengths = torch.tensor([9, 6])
+    # Position s's probability row and argmax both name s.
+    row = torch.full((B, L), -1)
+    arg = torch.full((B, L), -1)
+    for b in range(B):
+        for s in range(int(lengths[b])):
+            row[b, s] = 100 * b + s
+            arg[b, s] = s
+    arg[0, 5] = -1  # the target's argmax at position 5 of sample 0 lies outside the draft vocab
+    loss_mask = torch.ones(B, L, dtype=torch.bool)
+    loss_mask[0, 4] = False  # token 4 of sample 0 is not an assistant token
+    for j in range(4):
+        valid, r, a = step_targets(j, row, arg, loss_mask, lengths)
+        for b in range(B):
+            n = int(lengths[b])
+            for t in range(L):
+                s = t + 1 + j  # the target position; it predicts token t + 2 + j
+                expect_valid = t + 2 + j < n and bool(loss_mask[b, t + 2 + j]) and not (b == 0 and s == 5)
+                assert bool(valid[b, t]) == expect_valid, (j, b, t)
+                if expect_valid:
+                    assert int(a[b, t]) == s and int(r[b, t]) == 100 * b + s
+
+
+def test_needed_targets_are_positions_before_assistant_tokens():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0, 1, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    needed = needed_targets(loss_mask, torch.tensor([6, 3]))
+    assert needed.tolist() == [[0, 1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 0, 0, 0]]
+    # Every position any step trains on uses a needed target.
+    row = torch.where(needed, torch.arange(7).expand(2, 7), torch.tensor(-1))
+    for j in range(3):
+        valid, r, _ = step_targets(j, torch.arange(7).expand(2, 7), torch.zeros(2, 7, dtype=torch.long), loss_mask, torch.tensor([6, 3]))
+        valid_needed, _, _ = step_targets(j, row, torch.zeros(2, 7, dtype=torch.long), loss_mask, torch.tensor([6, 3]))
+        assert torch.equal(valid, valid_needed)
+
+
+def test_target_distribution_is_renormalised_over_draft_ids_and_chunked():
+    torch.manual_seed(0)
+    V, H, B, L = 50, 8, 2, 7
+    lm_head = torch.randn(V, H)
+    draft_ids = torch.arange(0, V, 2)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    final = torch.randn(B, L, H) * 3
+    needed = torch.ones(B, L, dtype=torch.bool)
+    needed[1, 4:] = False
+    needed[0, 2] = False
+    probs, row, arg = target_distribution(final, needed, lm_head, draft_ids, t2d, chunk_rows=3)
+    assert probs.shape == (int(needed.sum()), 25)
+    for b in range(B):
+        for s in range(L):
+            if not needed[b, s]:
+                assert arg[b, s] == -1 and row[b, s] == -1
+                continue
+            logits = lm_head @ final[b, s]
+            assert torch.allclose(probs[row[b, s]], torch.softmax(logits[draft_ids], -1), atol=1e-6)
+            full = int(logits.argmax())
+            assert int(arg[b, s]) == (draft_ids.tolist().index(full) if full in draft_ids.tolist() else -1)
+    assert (arg >= 0).any() and ((arg == -1) & needed).any()  # both cases occur in this draw
+
+
+def test_training_forward_equals_chained_inference_decode():
+    """Step j at position t in training == the j-th chained draft after position t at inference."""
+    model = tiny_model(Vd=40)
+    steps, lengths = 4, torch.tensor([12, 8])
+    B, L = 2, 12
+    torch.manual_seed(1)
+    aux = torch.randn(B, L, 96)
+    ids = torch.randint(0, 120, (B, L))
+    with torch.no_grad():
+        train_logits = ttt_forward(model, aux, ids, lengths, steps)
+        for b in range(B):
+            n = int(lengths[b])
+            # Step 0 over the whole (unpadded) sample: one causal decode from an empty cache.
+            cache = DraftCache()
+            logits0, _ = model.decode(model.fc(aux[b : b + 1, : n - 1]), ids[b : b + 1, 1:n], torch.arange(n - 1)[None], cache)
+            assert torch.allclose(train_logits[0][b, : n - 1], logits0[0], atol=1e-5)
+            # Chains: after prefilling 0..t, feed the drafter's own output and the true tokens.
+            for t in range(0, n - 2):
+                cache = DraftCache()
+                logits, out = model.decode(model.fc(aux[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2], torch.arange(t + 1)[None], cache)
+                hidden = out[:, -1:]
+                for j in range(1, steps):
+                    if t + 1 + j >= n:
+                        break
+                    logits, hidden = model.decode(hidden, ids[b : b + 1, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), cache)
+                    assert torch.allclose(train_logits[j][b, t], logits[0, 0], atol=1e-5), (b, t, j)
+
+
+def test_loss_is_decay_weighted_soft_cross_entropy():
+    model = tiny_model(Vd=40)
+    torch.manual_seed(2)
+    B, L, steps = 2, 10, 3
+    lengths = torch.tensor([10, 7])
+    aux, ids = torch.randn(B, L, 96), torch.randint(0, 120, (B, L))
+    probs = torch.softmax(torch.randn(B * L, 40), -1)
+    row = torch.arange(B * L).view(B, L)
+    arg = torch.randint(-1, 40, (B, L))
+    mask = torch.rand(B, L) > 0.2
+    targets = [step_targets(j, row, arg, mask, lengths) for j in range(steps)]
+    full = ttt_forward(model, aux, ids, lengths, steps)
+    selected = ttt_forward(model, aux, ids, lengths, steps, select=[t[0] for t in targets])
+    total, stats = ttt_loss(selected, targets, probs, 0.8)
+    expected = 0.0
+    for j, (valid, r, a) in enumerate(targets):
+        assert torch.allclose(selected[j], full[j][valid], atol=1e-6)
+        ce = -(probs[r[valid]] * torch.log_softmax(full[j][valid], -1)).sum(-1).mean()
+        expected = expected + 0.8**j * ce
+        assert stats[j][2] == int(valid.sum()) > 0
+        assert stats[j][1] == int((full[j][valid].argmax(-1) == a[valid]).sum())
+    assert torch.allclose(total, expected)
+
+
+# --------------------------------------------------------------------------- end to end on tiny targets
+
+
+def test_overfits_a_small_fixed_batch(tmp_path):
+    V = 96
+    inputs = tiny_setup(tmp_path, samples=random_samples(2, 48, V, seed=3), V=V, final_scale=3.0)
+    summary = run(tmp_path, inputs, drafter={"ttt_steps": 3},
+                  train={"epochs": 60, "learning_rate": 1e-2, "warmup_ratio": 0.05, "batch_tokens": 96, "max_grad_norm": 1.0})
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    assert summary["steps"] == 60 and len(log) == 60
+    first, last = log[0], log[-1]
+    assert last["loss"] < 0.3 * first["loss"], (first["loss"], last["loss"])
+    assert first["acc_per_step"][0] < 0.3 and last["acc_per_step"][0] > 0.8, (first["acc_per_step"], last["acc_per_step"])
+    assert last["acc_per_step"][2] > first["acc_per_step"][2]
+    assert summary["final_accuracy_per_step"][0] > 0.8
+    assert summary["tokens"] == 60 * 96 and summary["tokens_per_second"] > 0
+
+
+def test_resume_continues_and_ends_with_the_same_weights(tmp_path):
+    V = 120
+    samples = random_samples(5, [20, 14, 30, 9, 25], V, seed=5)
+    inputs = tiny_setup(tmp_path, samples=samples, V=V)
+    train = {"epochs": 2.5, "batch_tokens": 40, "learning_rate": 3e-3, "warmup_ratio": 0.2}
+
+    full = run(tmp_path, inputs, "full", train=train)
+    assert full["steps"] == 10 and full["resumed_from_step"] == 0  # 4 batches per epoch
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_5(step):
+        if step == 5:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(tmp_path, inputs, "resumed", train=train, save_every_steps=3, on_step=crash_at_5)
+    assert not (tmp_path / "resumed").exists()  # the declared output is written once, at the end
+    assert json.loads((tmp_path / "resumed.state" / "state.json").read_text())["step"] == 4  # saved at the end of epoch 1
+
+    resumed = run(tmp_path, inputs, "resumed", train=train, save_every_steps=3)
+    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 10
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    log_a = json.loads((tmp_path / "full" / "training_log.json").read_text())
+    log_b = json.loads((tmp_path / "resumed" / "training_log.json").read_text())
+    assert [e["step"] for e in log_a] == [e["step"] for e in log_b] == list(range(1, 11))
+    assert [e["loss"] for e in log_a] == [e["loss"] for e in log_b]
+
+    # A state from other settings is not resumed.
+    again = run(tmp_path, inputs, "resumed", train={**train, "learning_rate": 1e-3})
+    assert again["resumed_from_step"] == 0
+
+
+def test_only_draft_vocab_argmax_positions_are_trained(tmp_path):
+    V = 120
+    inputs = tiny_setup(tmp_path, V=V, draft_ids=range(0, V, 2))  # half of the target vocab
+    summary = run(tmp_path, inputs)
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    # 2 samples x 24 tokens: step j could train 2 x (22 - j) positions; about half have an argmax outside.
+    positions = log[0]["positions_per_step"]
+    assert all(0 < positions[j] < 2 * (22 - j) for j in range(3)), positions
+    assert summary["draft_vocab_size"] == 60
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def _tamper_vocab_disagree(tmp_path, inputs):
+    tensors = load_file(inputs["vocab_path"])
+    tensors["t2d"][0] = ~tensors["t2d"][0]
+    save_file(tensors, inputs["vocab_path"], metadata={"manifest": "{}"})
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("template", "chat template fingerprint"),
+        ("fingerprint", "target model fingerprint"),
+        ("fc_width", "3 x target hidden"),
+        ("vocab_too_large", "more than the target's vocabulary"),
+        ("vocab_disagree", "t2d marks"),
+        ("shards_disagree", "disagree on aux_layer_ids"),
+        ("aux_out_of_range", "outside 0..6"),
+        ("aux_not_the_cache", "aux layer ids"),
+    ],
+)
+def test_guards_refuse_before_training(tmp_path, case, message):
+    V, H, layers = 120, 32, 8
+    inputs = tiny_setup(tmp_path, V=V, H=H, layers=layers)
+    drafter = {}
+    samples = random_samples(2, 24, V)
+    if case == "template":
+        inputs["hidden_paths"] = [write_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, template="b" * 64)]
+    elif case == "fingerprint":
+        inputs["hidden_paths"] = [write_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, fingerprint="0" * 64)]
+    elif case == "fc_width":
+        inputs["hidden_paths"] = [write_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, aux_width=H)]
+    elif case == "vocab_too_large":
+        inputs["vocab_path"] = write_vocab(tmp_path / "v.safetensors", range(V + 10), V + 10)
+    elif case == "vocab_disagree":
+        _tamper_vocab_disagree(tmp_path, inputs)
+    elif case == "shards_disagree":
+        other = write_cache(tmp_path / "h2.safetensors", samples, H=H, layers=layers, aux_ids=[2, 3, 4])
+        inputs["hidden_paths"] = inputs["hidden_paths"] + [other]
+    elif case == "aux_out_of_range":
+        drafter = {"aux_layer_ids": [1, 3, 9]}
+    elif case == "aux_not_the_cache":
+        drafter = {"aux_layer_ids": [2, 3, 4]}
+    with pytest.raises(EyrieError, match=message):
+        run(tmp_path, inputs, drafter=drafter)
+    assert not (tmp_path / "drafter").exists() and not (tmp_path / "drafter.state").exists()
+
+
+def test_guard_errors_are_training_input_errors(tmp_path):
+    inputs = tiny_setup(tmp_path)
+    inputs["vocab_path"] = write_vocab(tmp_path / "v.safetensors", range(130), 130)
+    with pytest.raises(TrainingInputError):
+        run(tmp_path, inputs)
+
+
+# --------------------------------------------------------------------------- the real target and its checkpoint
+
+
+def test_checkpoint_for_the_real_target_is_sglangs_layout(tmp_path, model_dir):
+    config = target_text_config(model_dir)
+    V, H, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    draft_ids = torch.randperm(V, generator=g)[:512].sort().values
+    samples = [(draft_ids[torch.randint(0, 512, (20,), generator=g)].tolist(), [0, 0] + [1] * 18) for _ in range(2)]
+    cache = write_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers)
+    vocab = write_vocab(tmp_path / "vocab.safetensors", draft_ids.tolist(), V)
+    summary = run(
+        tmp_path,
+        {"target_dir": str(model_dir), "hidden_paths": [cache], "vocab_path": vocab},
+        drafter={"ttt_steps": 2},
+        train={"epochs": 2, "dtype": "auto", "batch_tokens": 64},
+    )
+    out = tmp_path / "drafter"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training_log.json"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 512 and cfg["vocab_size"] == V
+    assert cfg["target_hidden_size"] == H and cfg["hidden_size"] == H
+    assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 1
+    assert cfg["max_position_embeddings"] == config.max_position_embeddings == 8192
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, layers // 2 - 1, layers - 4] == [1, 14, 26]
+    assert cfg["eyrie"]["template_sha256"] == TEMPLATE and cfg["eyrie"]["target_fingerprint"] == FINGERPRINT
+    assert cfg["eyrie"]["metrics"]["steps"] == summary["steps"] == 2
+    assert len(cfg["eyrie"]["metrics"]["accuracy_per_step"]) == 2
+
+    shape = DrafterShape.from_sglang_config(cfg)
+    tensors = load_file(str(out / "model.safetensors"))
+    expected = shape.expected_tensors()
+    assert set(tensors) == set(expected)
+    assert not any("embed" in k for k in tensors)
+    for name, (dims, dtype) in expected.items():
+        assert tuple(tensors[name].shape) == dims, name
+        assert tensors[name].dtype == (dtype or torch.bfloat16), name
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert torch.equal(torch.arange(512) + tensors["d2t"], draft_ids)
+    check_checkpoint(tensors, shape)
+
+    # The head start: drafter lm_head rows began as the target's (tied) rows at the draft ids.
+    head = load_target_head(model_dir)
+    assert torch.equal(head["lm_head"], head["embed"])
+    drift = (tensors["lm_head.weight"].float() - head["lm_head"][draft_ids]).abs().max()
+    assert drift < 0.05
+
+    model = load_drafter(out, head["embed"])
+    assert not model.training and torch.equal(model.d2t, tensors["d2t"])
+    with torch.no_grad():
+        logits, _ = model.decode(torch.randn(1, 3, H), torch.tensor([[1, 2, 3]]), torch.arange(3)[None], DraftCache())
+    assert logits.shape == (1, 3, 512)
+
+    # Tampered checkpoints are refused, with the reason.
+    extra = dict(tensors, **{"midlayer.self_attn.extra.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="unexpected midlayer.self_attn.extra.weight"):
+        check_checkpoint(extra, shape)
+    narrow = dict(tensors, **{"fc.weight": torch.zeros(H, H, dtype=torch.bfloat16)})
+    with pytest.raises(CheckpointError, match="fc takes 576 inputs"):
+        check_checkpoint(narrow, shape)
+    save_file(narrow, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="fc takes 576 inputs"):
+        load_drafter(out, head["embed"])
+
+
+def test_load_target_head_reads_untied_heads(tmp_path):
+    target = make_target(tmp_path / "t", tied=False)
+    head = load_target_head(target)
+    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(head["lm_head"], f.get_tensor("lm_head.weight"))
+        assert torch.equal(head["norm"], f.get_tensor("model.norm.weight"))
+    assert not torch.equal(head["lm_head"], head["embed"])
