@@ -13,4 +13,6 @@ with job_log(snakemake.log[0]):
         target_dir=snakemake.input.model,
         bench_cfg=snakemake.params.bench,
         out_path=snakemake.output[0],
+        device=snakemake.config["model"]["device"],
+        trust_remote_code=snakemake.config["model"]["trust_remote_code"],
     )

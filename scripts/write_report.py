@@ -9,4 +9,8 @@ with job_log(snakemake.log[0]):
         completions=list(snakemake.input.completions),
         tokens=list(snakemake.input.tokens),
         out_path=snakemake.output[0],
+        vocab=snakemake.input.vocab,
+        hidden=list(snakemake.input.hidden),
+        drafter=snakemake.input.drafter,
+        bench=list(snakemake.input.bench),
     )

@@ -276,3 +276,219 @@ def test_unreadable_inputs_are_reported_not_fatal(tmp_path):
     html = out.read_text()
     assert "could not read" in html and "0002.parquet" in html and "missing.parquet" in html
     assert "103.5" in html  # the readable shards still count
+
+
+# ---------------------------------------------------------------- back half: vocab, hidden, drafter, bench
+
+HIDDEN = 64  # 8H+5 = 517 bytes per token in bf16
+LAYERS = 8
+AUX = [1, 3, 4]  # SGLang convention for 8 layers: [1, N//2-1, N-4]
+TARGET_FP = "c" * 64
+VOCAB_COUNTS = [0] * 24 + [50, 30, 10, 5, 3, 2]  # 30-token target vocab, 6 distinct assistant tokens
+# (dataset, shard): (samples, tokens, assistant tokens, file bytes)
+HIDDEN_SHARDS = {
+    ("chat", "0000"): (3, 820, 414, 440_000),
+    ("sharegpt", "0000"): (2, 330, 192, 178_000),
+    ("sharegpt", "0001"): (1, 60, 30, 34_000),
+}
+TTT = 3
+LOG = [  # training_log.json entries as eyrie.train writes them
+    {"step": s, "epoch": s / 20, "lr": 3e-4, "loss": loss, "loss_per_step": [loss * 0.8, loss, loss * 1.2],
+     "acc_per_step": acc, "positions_per_step": [100, 90, 80], "tokens_per_second": 900.0}
+    for s, loss, acc in [(10, 4.0, [0.2, 0.1, None]), (20, 3.0, [0.4, 0.3, 0.2]), (30, 2.5, [0.5, 0.4, 0.3]),
+                         (40, 2.2, [0.55, 0.45, 0.35]), (50, 2.1, [0.6, 0.5, 0.4])]
+]
+BENCH = {
+    "sharegpt": {  # measured, slower than plain greedy, lossless
+        "mean_acceptance_length": 2.37, "acceptance_rate_per_position": [0.71, 0.42, 0.18, 0.06], "rounds": 270,
+        "greedy_tokens_per_s": 52.4, "spec_tokens_per_s": 43.5, "speedup": 43.5 / 52.4, "lossless": True, "prompts": 2, "error": None,
+        "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.4},
+                       {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.3}],
+    },
+    "humaneval": {  # measured, the drafter not engaged: an error, and one prompt diverged
+        "mean_acceptance_length": 1.013, "acceptance_rate_per_position": [0.013, 0.0, 0.0, 0.0], "rounds": 500,
+        "greedy_tokens_per_s": 60.0, "spec_tokens_per_s": 31.0, "speedup": 31.0 / 60.0, "lossless": False, "prompts": 4,
+        "error": "mean acceptance length 1.013 over 500 rounds is below bench.min_acceptance_length 1.05: the drafter is not engaged",
+        "per_prompt": [{"id": f"HumanEval/{i}", "identical": i != 2, "first_divergence": 17 if i == 2 else None, "acceptance_length_mean": 1.0}
+                       for i in range(4)],
+    },
+    "chat": {"mean_acceptance_length": None, "acceptance_rate_per_position": [], "rounds": 0, "greedy_tokens_per_s": None,
+             "spec_tokens_per_s": None, "speedup": None, "lossless": True, "prompts": 0, "error": None, "per_prompt": []},
+}
+
+
+def _save_safetensors(path: Path, tensors: dict, manifest: dict) -> str:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
+    return str(path)
+
+
+def _hidden_manifest(samples: int, tokens: int, assistant: int, file_bytes: int, **override) -> dict:
+    manifest = {
+        "format": "eyrie-hidden/1", "aux_layer_ids": AUX, "capture_indices": [i + 1 for i in AUX], "num_hidden_layers": LAYERS,
+        "hidden_size": HIDDEN, "target_model_fingerprint": TARGET_FP, "template_sha256": SHA_A, "dtype": "bfloat16",
+        "compute_dtype": "float32", "samples": samples, "tokens": tokens, "assistant_tokens": assistant,
+        "file_bytes": file_bytes, "bytes_per_token": round(file_bytes / tokens, 3),
+    }
+    return {**manifest, **override}
+
+
+def _drafter_config(template: str = SHA_A, aux: list | None = None) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1, "hidden_size": HIDDEN,
+        "intermediate_size": 4 * HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(VOCAB_COUNTS),
+        "draft_vocab_size": 6, "target_hidden_size": HIDDEN, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux or AUX, "use_aux_hidden_state": True},
+        "eyrie": {
+            "template_sha256": template, "target_fingerprint": TARGET_FP, "drafter": {"ttt_steps": TTT},
+            "train": {"epochs": 2.5, "learning_rate": 3e-4, "batch_tokens": 4096},
+            "vocab": {"draft_vocab_size": 6, "requested_draft_vocab_size": 8, "coverage": 1.0, "clipped": True},
+            "metrics": {"accuracy_per_step": [0.612, 0.503, 0.391], "loss_per_step": [1.6, 2.1, 2.5], "loss": 2.15, "over_steps": [30, 50],
+                        "steps": 50, "samples": 6, "tokens": 1210, "seconds": 12.5, "tokens_per_second": 96.8},
+        },
+    }
+
+
+def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_template: str = SHA_A, drafter_aux: list | None = None) -> dict:
+    """Fake back-half outputs under root/results, as write_report's keyword arguments."""
+    import torch
+
+    counts = torch.tensor(VOCAB_COUNTS, dtype=torch.int64)
+    kept = torch.nonzero(counts).flatten()
+    vocab = _save_safetensors(
+        root / "results" / "vocab" / "draft_vocab.safetensors",
+        {"d2t": kept - torch.arange(len(kept)), "t2d": counts > 0, "counts": counts, "draft_ids": kept},
+        {"draft_vocab_size": 6, "requested_draft_vocab_size": 8, "target_vocab_size": len(VOCAB_COUNTS), "assistant_tokens": 100,
+         "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": SHA_A, "clipped": True, "shards": 4},
+    )
+    hidden = []
+    for (dataset, shard), numbers in HIDDEN_SHARDS.items():
+        override = (hidden_override or {}).get((dataset, shard), {})
+        path = root / "results" / "hidden" / dataset / f"{shard}.safetensors"
+        hidden.append(_save_safetensors(path, {"offsets": torch.zeros(numbers[0] + 1, dtype=torch.int64)}, _hidden_manifest(*numbers, **override)))
+    hidden.append(str(root / "results" / "hidden" / "chat" / "0001.safetensors"))  # not built yet
+    drafter = root / "results" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text(json.dumps(_drafter_config(drafter_template, drafter_aux)))
+    (drafter / "training_log.json").write_text(json.dumps(LOG))
+    (drafter / "model.safetensors").write_bytes(b"\0" * 4321)
+    bench = []
+    for name, result in BENCH.items():
+        path = root / "results" / "bench" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"benchmark": name, "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32",
+                "device": "cpu", "hardware": "CPU: test machine", "torch": "2.0", "template_sha256": SHA_A, "new_tokens": 640}
+        path.write_text(json.dumps({**meta, **result}))
+        bench.append(str(path))
+    bench.append(str(root / "results" / "bench" / "missing.json"))  # not built yet
+    return {"vocab": vocab, "hidden": hidden, "drafter": str(drafter), "bench": bench}
+
+
+def _write_full(root: Path, **kwargs) -> str:
+    config, summaries, completions, tokens = _inputs(root)
+    out = root / "out" / "report.html"
+    write_report(config, summaries, completions, tokens, str(out), **_back_half(root, **kwargs))
+    return out.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def full_html(tmp_path_factory) -> str:
+    return _write_full(tmp_path_factory.mktemp("full"))
+
+
+def test_full_report_header_lists_every_stage(full_html):
+    assert "draft vocab: 6 tokens, 100.0% coverage" in full_html
+    assert "hidden states: 3 of 4 shards" in full_html
+    assert "drafter: 50 training steps" in full_html
+    assert "benchmark: 3 of 4 benchmarks, 1 with an error" in full_html
+    assert "not built yet" not in full_html.split("<nav>")[0].split("Not built yet")[0]  # every stage built
+    assert "No speedup or acceptance length has been measured" not in full_html
+    assert "<script" not in full_html.lower() and full_html.count("<svg") >= 7  # vocab, training, 3 bench, 2 front half
+
+
+def test_full_report_vocab(full_html):
+    assert "coverage (assistant tokens inside the draft vocabulary)" in full_html
+    assert "<strong>100.0%</strong>" in full_html
+    assert "only 6 distinct assistant tokens were seen, fewer than the requested draft_vocab_size 8" in full_html
+    assert "Cumulative coverage by vocabulary size" in full_html
+
+
+def test_full_report_hidden_cache(full_html):
+    tokens, total_bytes = 820 + 330 + 60, 440_000 + 178_000 + 34_000
+    assert f"{tokens:,}" in full_html and f"{total_bytes:,}" in full_html
+    assert f"{total_bytes / tokens:,.1f} bytes per token" in full_html  # 538.8
+    assert "636.7 KiB on disk for 1,210 tokens" in full_html
+    assert "8H+5 = 517 bytes for H = 64" in full_html
+    assert "<code>[1, 3, 4]</code>" in full_html and "<code>[2, 4, 5]</code>" in full_html
+    assert "hidden-state shards disagree" not in full_html
+
+
+def test_full_report_drafter(full_html, tmp_path_factory):
+    assert "61.2%" in full_html and "50.3%" in full_html and "39.1%" in full_html  # final accuracy per TTT step
+    assert "accuracy per TTT step" in full_html
+    assert "5 log entries" in full_html and "loss 4.0000 at the first entry, 2.1000 at step 50" in full_html
+    assert re.search(
+        r"python -m sglang\.launch_server --model-path /models/tiny-llama --host 127\.0\.0\.1 --port 30000 "
+        r"--speculative-algorithm EAGLE3 --speculative-draft-model-path \S+/results/drafter "
+        r"--speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5</pre>", full_html)
+    assert "binds to <code>127.0.0.1</code>" in full_html and "change <code>--host</code> deliberately" in full_html
+    assert "4.2 KiB (4,321 bytes)" in full_html
+
+
+def test_full_report_benchmarks(full_html):
+    assert "<strong>2.37</strong>" in full_html and "1.01" in full_html
+    assert "0.83×" in full_html and "0.52×" in full_html
+    assert "Speculation is slower here:" in full_html and "43.5 tokens/s with the drafter against 52.4 without" in full_html
+    assert "the drafter is not engaged" in full_html
+    assert "yes: identical on 2 of 2 prompts" in full_html
+    assert "identical on 3 of 4 prompts" in full_html and "<code>HumanEval/2</code> at new token 17" in full_html
+    assert "no held-out prompts: nothing was measured for chat" in full_html
+    assert "71.0%" in full_html  # acceptance at position 1
+    assert full_html.count('class="warning"') == 1 + 2  # the header's count, the error, the divergence
+    assert "2 problems found" in full_html
+
+
+def test_warns_when_hidden_shards_disagree_and_drafter_template_differs(tmp_path):
+    html = _write_full(
+        tmp_path,
+        hidden_override={("sharegpt", "0001"): {"aux_layer_ids": [2, 4, 5], "capture_indices": [3, 5, 6], "target_model_fingerprint": "d" * 64}},
+        drafter_template=SHA_B,
+    )
+    assert "hidden-state shards disagree on the aux layer ids" in html
+    assert "sharegpt/0001: [2, 4, 5]" in html
+    assert "hidden-state shards disagree on the target model fingerprint" in html
+    assert "drafter: template_sha256 bbbbbbbbbbbb differs from the tokens&#39; aaaaaaaaaaaa" in html
+    assert "the drafter&#39;s eagle_aux_hidden_state_layer_ids [1, 3, 4] differ from the hidden-state cache&#39;s" in html
+    assert "<strong class=\"slow\">NO</strong>" in html
+
+
+def test_collect_back_half_is_plain_data(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    figures = collect(config, summaries, completions, tokens, **_back_half(tmp_path))
+    json.dumps(figures)
+    assert figures["hidden"]["total"]["tokens"] == sum(n[1] for n in HIDDEN_SHARDS.values())
+    assert figures["hidden"]["reference"]["bf16"] == 8 * HIDDEN + 5
+    assert figures["vocab"]["curve"]["coverage"][-1] == pytest.approx(1.0)
+    assert figures["vocab"]["curve"]["sizes"][0] == 1 and figures["vocab"]["curve"]["coverage"][0] == pytest.approx(0.5)
+    rows = {b["name"]: b for b in figures["bench"]["rows"]}
+    assert rows["sharegpt"]["slower"] and not rows["sharegpt"]["error"]
+    assert rows["humaneval"]["error"] and rows["humaneval"]["identical"] == 3
+    assert rows["chat"]["built"] and not rows["chat"]["measured"] and rows["chat"]["speedup"] is None
+    assert not rows["missing"]["built"]
+    assert figures["drafter"]["log"]["acc_per_step"][2][0] is None  # no positions at step 2 in the first window
+
+
+def test_back_half_paths_that_do_not_exist_are_not_built(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    out = tmp_path / "report.html"
+    missing = tmp_path / "nothing"
+    write_report(config, summaries, completions, tokens, str(out), vocab=str(missing / "v.safetensors"), hidden=[str(missing / "h.safetensors")],
+                 drafter=str(missing / "drafter"), bench=[str(missing / "sharegpt.json")])
+    html = out.read_text()
+    for stage in ("draft vocab", "hidden states", "drafter", "benchmark"):
+        assert f"{stage}: not built yet" in html
+    assert "Draft vocabulary not built yet." in html and "Drafter not built yet." in html
+    assert "No speedup or acceptance length has been measured" in html
+    assert "WARNING" not in html

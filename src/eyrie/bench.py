@@ -322,7 +322,10 @@ def run_benchmark(
         result["error"] = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path)
     write_json_atomically(out_path, result)  # first, so that a failing benchmark loses nothing it measured
     if result["error"]:
-        raise DrafterNotEngagedError(result["error"])
+        # Snakemake deletes a failed job's declared output: keep the measurements beside it.
+        kept = Path(out_path).with_name(Path(out_path).stem + ".failed.json")
+        write_json_atomically(kept, result)
+        raise DrafterNotEngagedError(f"{result['error']} (measurements kept in {kept})")
     return result
 
 
@@ -331,6 +334,12 @@ def run_benchmark_job(*, benchmark: str, prompts_path, drafter_dir, target_dir, 
     cfg = {**DEFAULTS, **(bench_cfg or {})}
     limit = (cfg.get("humaneval") or {}).get("limit") if benchmark == "humaneval" else cfg["prompts_per_dataset"]
     prompts = load_benchmark_prompts(benchmark, prompts_path, limit)
+    if not prompts:
+        # A small dataset can hash none of its ids into the held-out share: say so, measure nothing.
+        result = {"benchmark": benchmark, "prompts": 0, "mean_acceptance_length": None, "error": None,
+                  "note": "no held-out prompts: nothing was measured", "per_prompt": []}
+        write_json_atomically(out_path, result)
+        return result
     return run_benchmark(
         target_dir=target_dir,
         drafter_dir_or_model=drafter_dir,
