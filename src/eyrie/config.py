@@ -68,14 +68,17 @@ def validate(config: dict[str, Any], origin: str = "config") -> dict[str, Any]:
     if errors:
         lines = "\n".join(f"  - {_describe(e)}" for e in errors)
         raise ConfigError(f"{origin} is invalid:\n{lines}\n(see schemas/config.schema.yaml for every key)")
-    _check_model(checked, origin)
+    _check_consistency(checked, origin)
     return checked
 
 
-def _check_model(config: dict, origin: str) -> None:
+def _check_consistency(config: dict, origin: str) -> None:
+    """Rules the schema cannot say."""
     model = config["model"]
     if model.get("path") is None and "gguf" not in model:
         raise ConfigError(f"{origin}: model: set either model.path (a local HF directory) or model.gguf (package and member)")
+    if config["bench"]["humaneval"] and "humaneval" in config["datasets"]:
+        raise ConfigError(f"{origin}: datasets.humaneval: the name is taken by the HumanEval benchmark; rename the dataset")
 
 
 def load(path: str | Path) -> dict[str, Any]:
