@@ -1,78 +1,100 @@
 """`eyrie plan`: per dataset and shard, what regeneration has done, what is left, and how long that takes.
 
-Throughput and reply length come from finished work (final shards and partial logs);
-before anything ran they come from the config's `plan` guesses, and the output says so.
+Work is counted in turns (a prompt of two user turns is two requests). Reply length and
+throughput come from finished turns (final shards and partial logs); before anything ran
+they come from the config's `plan` guesses, and the output says so. The range printed with
+the total combines the uncertainty of the mean reply length with the spread of throughput
+between shards, so a user sees how much to trust the number.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
 
 from eyrie import config as cfg
-from eyrie.generate import settings_key
+from eyrie.generate import ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.partial import PartialLog
+
+Z90 = 1.645  # two-sided 90% normal quantile
 
 
 @dataclass
 class ShardPlan:
     dataset: str
     shard: str
-    prompts: int | None  # None: prompt shards not built yet
-    prompts_done: int
-    turns_done: int
-    completion_tokens: int
-    seconds: float
     state: str
+    prompts: int | None  # None: prompt shards not built yet
+    turns: int | None
+    prompts_done: int = 0
+    turns_done: int = 0
+    seconds: float = 0.0
+    reply_tokens: list[int] = field(default_factory=list)  # one entry per finished, answered turn
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.reply_tokens)
 
 
-def _prompt_turns(path: Path, max_turns: int) -> list[int] | None:
+def _prompt_turns(path: Path, max_turns: int) -> dict[str, int] | None:
     if not path.exists():
         return None
-    return [min(n, max_turns) for n in pq.read_table(path, columns=["n_user_turns"]).column(0).to_pylist()]
+    table = pq.read_table(path, columns=["id", "n_user_turns"]).to_pydict()
+    return {pid: min(n, max_turns) for pid, n in zip(table["id"], table["n_user_turns"])}
 
 
-def _final_shard(path: Path, settings: dict) -> tuple[dict | None, bool]:
-    """The stats of a finished shard and whether it was made with the current settings."""
+def _final_shard(path: Path, settings: dict) -> tuple[list[dict] | None, dict | None]:
+    """The records and metadata of a finished shard, or (None, None)."""
     if not path.exists():
-        return None, False
-    meta = json.loads((pq.read_schema(path).metadata or {}).get(b"eyrie", b"{}"))
-    return meta.get("stats"), meta.get("settings") == settings
+        return None, None
+    table = pq.read_table(path, columns=["finish_reasons", "completion_tokens", "seconds"])
+    meta = json.loads((table.schema.metadata or {}).get(b"eyrie", b"{}"))
+    return table.to_pylist(), meta
 
 
 def plan_shard(workdir: Path, config: dict, dataset: str, shard: str, model_fp: str | None) -> ShardPlan:
     settings = cfg.generation_settings(config, dataset)
-    turns = _prompt_turns(workdir / f"results/prompts/{dataset}/{shard}.parquet", settings["max_turns"])
-    prompts = None if turns is None else len(turns)
-    stats, current = _final_shard(workdir / f"results/completions/{dataset}/{shard}.parquet", settings)
-    if stats is not None and current:
-        return ShardPlan(dataset, shard, prompts, stats["records"], stats["turns"], stats["completion_tokens"], stats["generation_seconds"], "done")
+    turns_by_id = _prompt_turns(workdir / f"results/prompts/{dataset}/{shard}.parquet", settings["max_turns"])
+    prompts = None if turns_by_id is None else len(turns_by_id)
+    turns = None if turns_by_id is None else sum(turns_by_id.values())
+
+    records, meta = _final_shard(workdir / f"results/completions/{dataset}/{shard}.parquet", settings)
+    if records is not None and meta.get("settings") == settings:
+        plan = ShardPlan(dataset, shard, "done", prompts, turns, prompts_done=len(records), turns_done=turns or 0)
+        plan.seconds = sum(r["seconds"] for r in records)
+        plan.reply_tokens = [t for r in records for reason, t in zip(r["finish_reasons"], r["completion_tokens"]) if reason not in (PROMPT_TOO_LONG, ERROR)]
+        return plan
 
     rows = {}
     if model_fp is not None:
         log = workdir / f"results/partial/completions/{dataset}/{shard}/{settings_key(settings, model_fp)}.jsonl"
         rows = PartialLog(log).load() if log.exists() else {}
+    # Error rows are asked again on a rerun: they are not done.
+    finished = [r for r in rows.values() if r["finish_reason"] != ERROR]
     by_prompt: dict[str, list[dict]] = {}
-    for row in rows.values():
+    for row in finished:
         by_prompt.setdefault(row["id"], []).append(row)
+    expected = turns_by_id or {}
     prompts_done = sum(
-        1 for turns_of in by_prompt.values() if any(r["finish_reason"] == "prompt_too_long" for r in turns_of) or len(turns_of) >= settings["max_turns"]
+        1
+        for pid, done in by_prompt.items()
+        if any(r["finish_reason"] == PROMPT_TOO_LONG for r in done) or len(done) >= expected.get(pid, settings["max_turns"])
     )
-    state = "stale (settings changed)" if stats is not None else ("partial" if rows else ("waiting for prompts" if prompts is None else "not started"))
-    return ShardPlan(
-        dataset,
-        shard,
-        prompts,
-        prompts_done,
-        len(rows),
-        sum(r["completion_tokens"] for r in rows.values()),
-        sum(r["seconds"] for r in rows.values()),
-        state,
-    )
+    # A prompt ended early by a too-long turn has no turns left either.
+    skipped = sum(expected.get(pid, 0) - len(done) for pid, done in by_prompt.items() if any(r["finish_reason"] == PROMPT_TOO_LONG for r in done))
+    if records is not None:
+        state = "stale (settings changed)"
+    else:
+        state = "partial" if finished else ("waiting for prompts" if prompts is None else "not started")
+    plan = ShardPlan(dataset, shard, state, prompts, turns, prompts_done=prompts_done, turns_done=len(finished) + skipped)
+    plan.seconds = sum(r["seconds"] for r in finished)
+    plan.reply_tokens = [r["completion_tokens"] for r in finished if r["finish_reason"] != PROMPT_TOO_LONG]
+    return plan
 
 
 def expected_prompts(config: dict, dataset: str) -> float | None:
@@ -81,6 +103,42 @@ def expected_prompts(config: dict, dataset: str) -> float | None:
     if spec["limit"] is None:
         return None
     return spec["limit"] * (1 - spec["heldout_fraction"]) / spec["shards"]
+
+
+@dataclass
+class Rates:
+    """What one turn costs: reply tokens (mean and 90% bounds) and tokens/s (central and bounds)."""
+
+    tokens_per_turn: tuple[float, float, float]
+    tokens_per_second: tuple[float, float, float]
+    basis: str
+    measured: bool
+
+
+def measured_rates(shards: list[ShardPlan], config: dict) -> Rates:
+    replies = [t for s in shards for t in s.reply_tokens]
+    seconds = sum(s.seconds for s in shards)
+    if not replies or seconds <= 0:
+        guess_turn = config["plan"]["guess_completion_tokens"] / max(1, config["generation"]["max_turns"])
+        rate = config["plan"]["guess_tokens_per_second"]
+        return Rates((guess_turn, guess_turn * 0.5, guess_turn * 2), (rate, rate * 0.5, rate * 2), "guessed from the config's plan section: nothing has been generated yet (range: half to double)", False)
+    n = len(replies)
+    mean = sum(replies) / n
+    sd = math.sqrt(sum((t - mean) ** 2 for t in replies) / max(1, n - 1))
+    half = Z90 * sd / math.sqrt(n)
+    rate = sum(replies) / seconds
+    per_shard = [s.completion_tokens / s.seconds for s in shards if s.seconds > 0 and s.reply_tokens]
+    if len(per_shard) >= 2:
+        low, high = min(per_shard), max(per_shard)
+        spread = f"tokens/s between shards {low:.1f}-{high:.1f}"
+    else:
+        low, high = rate * 0.8, rate * 1.25
+        spread = "tokens/s from one shard only (assumed +-25%)"
+    basis = (
+        f"measured on {n} finished turns: {mean:.0f} reply tokens per turn (sd {sd:.0f}), {rate:.1f} tokens/s; "
+        f"{spread}. Replies often grow as longer conversations come up, so treat the low end with care"
+    )
+    return Rates((mean, max(1.0, mean - half), mean + half), (rate, low, high), basis, True)
 
 
 def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, dict]:
@@ -92,54 +150,69 @@ def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, d
 
         model_fp = model_fingerprint(model_dir)
     shards = [plan_shard(workdir, config, d, s, model_fp) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]
+    rates = measured_rates(shards, config)
 
-    measured_turns = sum(s.turns_done for s in shards)
-    measured_seconds = sum(s.seconds for s in shards)
-    measured_tokens = sum(s.completion_tokens for s in shards)
-    if measured_turns and measured_seconds > 0:
-        rate = measured_tokens / measured_seconds
-        tokens_per_prompt = {
-            d: measured_tokens / max(1, sum(s.prompts_done for s in shards)) for d in config["datasets"]
-        }
-        basis = f"measured on {measured_turns} finished turns ({measured_tokens} tokens in {measured_seconds:.0f} s)"
-    else:
-        rate = config["plan"]["guess_tokens_per_second"]
-        tokens_per_prompt = {d: config["plan"]["guess_completion_tokens"] for d in config["datasets"]}
-        basis = "guessed from the config's plan section: nothing has been generated yet"
-
+    built = [s for s in shards if s.prompts]
+    turns_per_prompt = sum(s.turns for s in built) / sum(s.prompts for s in built) if built else config["generation"]["max_turns"]
     rows = []
     for s in shards:
-        prompts = s.prompts if s.prompts is not None else expected_prompts(config, s.dataset)
-        left = None if prompts is None else max(0.0, prompts - s.prompts_done)
-        tokens_left = None if left is None else left * tokens_per_prompt[s.dataset]
+        if s.turns is not None:
+            turns_left = max(0, s.turns - s.turns_done)
+            prompts_shown, left = s.prompts, s.prompts - s.prompts_done
+        else:
+            expected = expected_prompts(config, s.dataset)
+            turns_left = None if expected is None else expected * turns_per_prompt
+            prompts_shown = "?" if expected is None else f"~{expected:.0f}"
+            left = "?" if expected is None else round(expected)
+        tokens = None if turns_left is None else [turns_left * t for t in rates.tokens_per_turn]
         rows.append(
             {
                 "dataset": s.dataset,
                 "shard": s.shard,
                 "state": s.state,
-                "prompts": "?" if prompts is None else (f"~{prompts:.0f}" if s.prompts is None else prompts),
+                "prompts": prompts_shown,
                 "done": s.prompts_done,
-                "left": "?" if left is None else round(left),
-                "tokens_left": None if tokens_left is None else round(tokens_left),
-                "hours_left": None if tokens_left is None else tokens_left / rate / 3600,
+                "left": left,
+                "turns_left": None if turns_left is None else round(turns_left),
+                "tokens_left": None if tokens is None else round(tokens[0]),
+                "hours_left": None if tokens is None else tokens[0] / rates.tokens_per_second[0] / 3600,
+                # Fewest tokens at the fastest rate .. most tokens at the slowest.
+                "hours_low": None if tokens is None else tokens[1] / rates.tokens_per_second[2] / 3600,
+                "hours_high": None if tokens is None else tokens[2] / rates.tokens_per_second[1] / 3600,
             }
         )
     table = pd.DataFrame(rows)
-    summary = {"tokens_per_second": rate, "basis": basis, "hours_left": table["hours_left"].sum(min_count=1)}
+    summary = {
+        "tokens_per_second": rates.tokens_per_second[0],
+        "basis": rates.basis,
+        "measured": rates.measured,
+        "hours_left": table["hours_left"].sum(min_count=1),
+        "hours_low": table["hours_low"].sum(min_count=1),
+        "hours_high": table["hours_high"].sum(min_count=1),
+    }
     return table, summary
 
 
 def format_plan(table: pd.DataFrame, summary: dict) -> str:
-    shown = table.copy()
+    shown = table.drop(columns=["hours_low", "hours_high"]).copy()
     shown["hours_left"] = shown["hours_left"].map(lambda h: "?" if pd.isna(h) else f"{h:.2f}")
-    shown["tokens_left"] = shown["tokens_left"].map(lambda t: "?" if pd.isna(t) else f"{int(t):,}")
-    per_dataset = table.groupby("dataset")["hours_left"].sum(min_count=1)
+    for column in ("tokens_left", "turns_left"):
+        shown[column] = shown[column].map(lambda t: "?" if pd.isna(t) else f"{int(t):,}")
     lines = [shown.to_string(index=False), ""]
-    for dataset, hours in per_dataset.items():
-        lines.append(f"{dataset}: {'unknown (no limit and no prompts built yet)' if pd.isna(hours) else f'{hours:.2f} h'} of regeneration left")
+    for dataset, part in table.groupby("dataset"):
+        hours = part["hours_left"].sum(min_count=1)
+        if pd.isna(hours):
+            lines.append(f"{dataset}: unknown (no limit and no prompts built yet)")
+        else:
+            lines.append(f"{dataset}: {hours:.2f} h of regeneration left (90% range {part['hours_low'].sum():.2f}-{part['hours_high'].sum():.2f} h)")
     total = summary["hours_left"]
-    known = "unknown" if pd.isna(total) else f"{total:.2f} h"
-    if not pd.isna(total) and table["hours_left"].isna().any():
-        known = f"at least {known} (some shards unknown until their prompts are built)"
-    lines.append(f"total: {known} at {summary['tokens_per_second']:.1f} tokens/s, {summary['basis']}")
+    if pd.isna(total):
+        lines.append("total: unknown")
+    else:
+        partial = " at least" if table["hours_left"].isna().any() else ""
+        lines.append(
+            f"total:{partial} {total:.2f} h (90% range {summary['hours_low']:.2f}-{summary['hours_high']:.2f} h) "
+            f"for one job at a time; shards running in parallel on separate GPUs or servers divide it"
+        )
+    lines.append(f"basis: {summary['basis']}")
     return "\n".join(lines)

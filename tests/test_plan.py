@@ -1,0 +1,66 @@
+"""`eyrie plan` counts turns done and left from prompt shards and partial logs, and says how sure it is."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from eyrie import config as cfg
+from eyrie.generate import settings_key
+from eyrie.model import model_fingerprint
+from eyrie.partial import PartialLog
+from eyrie.plan import build_plan, format_plan
+
+
+def setup(tmp_path):
+    config = cfg.validate(
+        {
+            "model": {"name": "m", "path": "model"},
+            "datasets": {"d": {"source": {"file": "x.jsonl"}, "shards": 2, "limit": 100, "heldout_fraction": 0.0}},
+            "generation": {"max_turns": 2},
+            "plan": {"guess_tokens_per_second": 10, "guess_completion_tokens": 200},
+        }
+    )
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return config
+
+
+def write_prompts(tmp_path, shard, turns_by_id):
+    rows = [{"id": pid, "n_user_turns": n} for pid, n in turns_by_id.items()]
+    path = tmp_path / f"results/prompts/d/{shard}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def row(pid, turn, reason="stop", tokens=100, seconds=1.0):
+    return {"id": pid, "turn": turn, "user": "u", "reply": "r", "finish_reason": reason, "prompt_tokens": 5, "completion_tokens": tokens, "seconds": seconds}
+
+
+def test_before_anything_ran_the_plan_uses_the_guesses(tmp_path):
+    table, summary = build_plan(setup(tmp_path), tmp_path)
+    assert list(table["state"]) == ["waiting for prompts"] * 2
+    # 100 prompts / 2 shards x 2 turns x (200 / 2) tokens per turn at 10 tokens/s
+    assert summary["hours_left"] == 100 * 2 * 100 / 10 / 3600
+    assert summary["hours_low"] < summary["hours_left"] < summary["hours_high"]
+    assert "guessed" in format_plan(table, summary)
+
+
+def test_partial_logs_count_finished_turns_but_not_error_rows(tmp_path):
+    config = setup(tmp_path)
+    write_prompts(tmp_path, "0000", {"a": 2, "b": 1, "c": 3, "e": 1})
+    write_prompts(tmp_path, "0001", {"x": 1})
+    key = settings_key(cfg.generation_settings(config, "d"), model_fingerprint(tmp_path / "model"))
+    PartialLog(tmp_path / f"results/partial/completions/d/0000/{key}.jsonl").append(
+        [row("a", 0, tokens=80), row("a", 1, tokens=120), row("b", 0, "prompt_too_long", 0, 0.0), row("c", 0, tokens=100), row("e", 0, "error", 0, 0.5)]
+    )
+    table, summary = build_plan(config, tmp_path)
+    first = table.iloc[0]
+    assert first["state"] == "partial"
+    assert first["done"] == 2  # a (both turns) and b (ended by a too-long prompt); c has 1 of 2 turns; e errored
+    assert first["turns_left"] == (2 + 1 + 2 + 1) - 4  # c's second turn and e's turn remain
+    assert first["tokens_left"] == 2 * 100  # mean reply 100 tokens per answered turn
+    assert summary["measured"] and summary["tokens_per_second"] == 300 / 3.0
+    text = format_plan(table, summary)
+    assert "measured on 3 finished turns" in text and "90% range" in text
