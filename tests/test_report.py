@@ -10,6 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eyrie.generate import COMPLETIONS_SCHEMA
+from eyrie.tokenize import TOKENS_SCHEMA
+
 from eyrie.report import collect, write_report
 
 SHA_A = "a" * 64
@@ -17,30 +20,8 @@ SHA_B = "b" * 64
 SETTINGS = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 1536, "seed": 0}
 XSS = "<script>alert(1)</script>"
 
-COMPLETION_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("dataset", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("n_turns", pa.int32()),
-        ("finish_reason", pa.string()),
-        ("finish_reasons", pa.list_(pa.string())),
-        ("prompt_tokens", pa.list_(pa.int32())),
-        ("completion_tokens", pa.list_(pa.int32())),
-        ("seconds", pa.float64()),
-    ]
-)
-TOKEN_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("dataset", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("n_tokens", pa.int32()),
-        ("n_assistant_tokens", pa.int32()),
-        ("truncated", pa.bool_()),
-    ]
-)
+COMPLETION_SCHEMA = COMPLETIONS_SCHEMA  # the schemas the stages write
+TOKEN_SCHEMA = TOKENS_SCHEMA
 
 # (id, first user message, completion tokens per turn, prompt tokens per turn, finish reason per turn, seconds)
 COMPLETIONS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from eyrie.batching import batches_by_tokens
 from eyrie.chat import render
 
 
@@ -17,23 +18,8 @@ class TurnResult:
 
 
 def plan_batches(lengths: list[int], max_new_tokens: int, max_batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Group request indices so each padded batch holds at most max_batch_tokens (prompt + new) tokens.
-
-    Sorting by length keeps padding small; a single request larger than the budget runs alone.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        longest = lengths[current[0]] if current else lengths[index]
-        fits = (len(current) + 1) * (longest + max_new_tokens) <= max_batch_tokens
-        if current and (not fits or len(current) >= max_batch_size):
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
+    """Request indices in batches of at most max_batch_tokens padded (prompt + new) tokens."""
+    return batches_by_tokens(lengths, max_batch_tokens, extra=max_new_tokens, max_size=max_batch_size)
 
 
 def stable_seed(*parts) -> int:

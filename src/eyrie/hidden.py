@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eyrie.batching import batches_by_tokens
 from eyrie.errors import EyrieError
 from eyrie.tokenize import read_eyrie_metadata
 
@@ -87,19 +88,9 @@ def plan_token_batches(lengths, batch_tokens: int) -> list[list[int]]:
     """
     if batch_tokens < 1:
         raise HiddenCacheError(f"batch_tokens must be positive, got {batch_tokens}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    order = [int(k) for k in np.argsort(-lengths, kind="stable") if lengths[k] > 0]
-    batches, current, longest = [], [], 0
-    for k in order:
-        if current and (len(current) + 1) * longest > batch_tokens:
-            batches.append(current)
-            current = []
-        if not current:
-            longest = int(lengths[k])
-        current.append(k)
-    if current:
-        batches.append(current)
-    return batches
+    lengths = [int(n) for n in lengths]
+    nonempty = [k for k, n in enumerate(lengths) if n > 0]
+    return [[nonempty[i] for i in batch] for batch in batches_by_tokens([lengths[k] for k in nonempty], batch_tokens)]
 
 
 # --------------------------------------------------------------------------- extraction

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eyrie.batching import batches_by_tokens
 from eyrie.drafter import CheckpointError, DrafterShape, Eagle3Drafter, check_checkpoint
 from eyrie.errors import EyrieError
 
@@ -219,18 +220,7 @@ class HiddenCache:
 
 def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped by length (longest first) so that each batch's rows x longest <= batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
-    batches, current, longest = [], [], 0
-    for k in order:
-        if current and (len(current) + 1) * longest > batch_tokens:
-            batches.append(current)
-            current = []
-        if not current:
-            longest = lengths[k]
-        current.append(k)
-    if current:
-        batches.append(current)
-    return batches
+    return batches_by_tokens(lengths, batch_tokens)
 
 
 # --------------------------------------------------------------------------- the TTT forward and loss
