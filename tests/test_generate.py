@@ -84,6 +84,7 @@ def test_multi_turn_and_prompt_too_long(tmp_path, engine):
     records = {r["id"]: r for r in pq.read_table(tmp_path / "c.parquet").to_pylist()}
     assert [m["role"] for m in records["a"]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert records["a"]["messages"][2]["content"] == "And a vegetable?"
+    assert json.loads(records["a"]["generation"]) == SETTINGS  # each record keeps the settings that made it
     assert records["b"]["messages"][0] == {"role": "system", "content": "Be brief."}
     assert records["c"]["finish_reasons"] == [PROMPT_TOO_LONG] and records["c"]["n_turns"] == 0
     # d: the too-long second turn ends the conversation; its first answer is kept.

@@ -42,6 +42,7 @@ COMPLETIONS_SCHEMA = pa.schema(
         ("prompt_tokens", pa.list_(pa.int32())),
         ("completion_tokens", pa.list_(pa.int32())),
         ("seconds", pa.float64()),
+        ("generation", pa.string()),  # the settings that made this record, as JSON
     ]
 )
 PROMPT_TOO_LONG = "prompt_too_long"
@@ -113,7 +114,7 @@ def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict])
     return reused
 
 
-def to_record(conversation: Conversation, dataset: str) -> dict:
+def to_record(conversation: Conversation, dataset: str, settings: dict) -> dict:
     rows = conversation.answered
     messages = conversation.messages()
     if not any(m["role"] == "assistant" for m in messages):
@@ -129,6 +130,7 @@ def to_record(conversation: Conversation, dataset: str) -> dict:
         "prompt_tokens": [r["prompt_tokens"] for r in rows],
         "completion_tokens": [r["completion_tokens"] for r in rows],
         "seconds": sum(r["seconds"] for r in rows),
+        "generation": json.dumps(settings, sort_keys=True),
     }
 
 
@@ -207,7 +209,7 @@ def regenerate_shard(
     finally:
         progress.close()
 
-    records = [to_record(c, dataset) for c in conversations]
+    records = [to_record(c, dataset, settings) for c in conversations]
     stats = shard_stats(records, reused, conversations, run)
     metadata = {
         "dataset": dataset,
