@@ -126,6 +126,8 @@ def measured_rates(shards: list[ShardPlan], config: dict) -> Rates:
     mean = sum(replies) / n
     sd = math.sqrt(sum((t - mean) ** 2 for t in replies) / max(1, n - 1))
     half = Z90 * sd / math.sqrt(n)
+    if n < 10:
+        half = max(half, mean / 2)  # too few turns to estimate a spread: at least half to one and a half times
     rate = sum(replies) / seconds
     per_shard = [s.completion_tokens / s.seconds for s in shards if s.seconds > 0 and s.reply_tokens]
     if len(per_shard) >= 2:
