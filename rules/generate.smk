@@ -26,7 +26,7 @@ rule regenerate_shard:
     log:
         "logs/completions/{dataset}/{shard}.log",
     benchmark:
-        "benchmarks/completions/{dataset}/{shard}.tsv"
+        "logs/benchmarks/completions/{dataset}/{shard}.tsv"
     conda: "../envs/cuda.yaml"
     script:
         "../scripts/regenerate_shard.py"

@@ -15,7 +15,7 @@ rule extract_hidden:
     log:
         "logs/hidden/{dataset}/{shard}.log",
     benchmark:
-        "benchmarks/hidden/{dataset}/{shard}.tsv"
+        "logs/benchmarks/hidden/{dataset}/{shard}.tsv"
     conda: "../envs/cuda.yaml"
     script:
         "../scripts/extract_hidden.py"

@@ -17,7 +17,7 @@ rule train_drafter:
     log:
         "logs/train/drafter.log",
     benchmark:
-        "benchmarks/train/drafter.tsv"
+        "logs/benchmarks/train/drafter.tsv"
     conda: "../envs/cuda.yaml"
     script:
         "../scripts/train_drafter.py"
