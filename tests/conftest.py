@@ -58,6 +58,25 @@ def tokenizer(model_dir):
     return load_tokenizer(model_dir)
 
 
+@pytest.fixture(scope="session")
+def target(model_dir):
+    """(model, tokenizer) of the default target in float32 on the CPU, loaded once for every test that reads it."""
+    from eyrie.model import load_target
+
+    return load_target(model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread: on a small shared CI box, OpenMP threads spin-waiting on each other slow token-by-token runs 10x."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 LOCAL_PROMPTS = [
     {"id": "local-1", "messages": [{"role": "user", "content": "Name a colour."}]},
     {

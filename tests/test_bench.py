@@ -34,19 +34,8 @@ CFG = {"draft_tokens": 3, "max_new_tokens": 12, "min_acceptance_length": 1.05, "
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a small shared CI box, OpenMP threads spin-waiting on each other slow these runs 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target(model_dir):
-    from eyrie.model import load_target
-
-    return load_target(model_dir, dtype="float32", device="cpu")
+def one_thread(one_torch_thread):
+    """These decode token by token: see conftest.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")

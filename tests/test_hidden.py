@@ -99,15 +99,6 @@ def test_writer_settles_its_own_size_for_any_length(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def target(model_dir):
-    from eyrie.model import load_target
-
-    torch.set_num_threads(2)
-    model, tokenizer = load_target(model_dir, dtype="float32", device="cpu")
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
 def template(target):
     from eyrie.model import template_fingerprint
 
