@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
 from eyrie import config as cfg
 from eyrie.generate import settings_key

@@ -28,13 +28,9 @@ TEMPLATE = "a" * 64
 FINGERPRINT = "f" * 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
     """These models are tiny: one thread is fastest, and immune to a busy machine's oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- builders

@@ -15,10 +15,10 @@ import gzip
 import json
 import os
 import platform
-import uuid
 import warnings
 from pathlib import Path
 
+from eyrie.atomic import write_json_atomically
 from eyrie.errors import BadRecordError, EyrieError, InputFileError
 
 
@@ -209,17 +209,6 @@ def summarise(rows: list[dict], draft_tokens: int) -> dict:
         "prompts": len(rows),
         "new_tokens": sum(r["new_tokens"] for r in rows),
     }
-
-
-def write_json_atomically(path: str | Path, value: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        temporary.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def not_engaged_message(mean: float | None, threshold: float, rounds: int, out_path) -> str:

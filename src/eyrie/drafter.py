@@ -296,11 +296,18 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rotary(x, positions)
         return x, cos.to(x.dtype), sin.to(x.dtype)
 
-    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residuals and MLP after attention; returns (draft logits, pre-norm output fed to the next step)."""
+    def layer_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residuals and MLP after attention: the pre-norm output fed to the next step."""
         residual = hidden + attended
-        out = residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual))
-        return self.lm_head(self.norm(out)), out
+        return residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual))
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits, pre-norm output fed to the next step)."""
+        out = self.layer_output(hidden, attended)
+        return self.head(out), out
 
     def decode(self, hidden, input_ids, positions, cache: "DraftCache"):
         """Inference: extend the cache with these positions, attending causally to everything cached."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from eyrie.atomic import write_atomically
 from eyrie.engine import plan_batches, stable_seed
 from eyrie.partial import PartialLog
 
@@ -175,11 +175,7 @@ def _summary(values: list[float]) -> dict | None:
 
 
 def write_parquet_atomic(table: pa.Table, out_path: str | Path) -> None:
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, out_path)
+    write_atomically(out_path, lambda temporary: pq.write_table(table, temporary))
 
 
 def regenerate_shard(

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.atomic import write_atomically, write_json_atomically
 from eyrie.errors import InputFileError
 from eyrie.sources import BadRecord, RawRecord, read_source  # noqa: F401  (read_source re-exported for callers)
 
@@ -253,28 +252,11 @@ def _collect(records: Iterable[RawRecord], fmt: str, file: str, on_bad_record: s
 # ---------------------------------------------------------------- writing
 
 
-def _write_atomically(path: str | Path, write: Callable[[str], None]) -> None:
-    """Write via a temporary file in the same directory, so readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        write(str(temporary))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
 def _write_prompts(path: str | Path, dataset: str, prompts: list[Prompt]) -> None:
     ordered = sorted(prompts, key=lambda prompt: prompt.id)  # sorted by id: the same records give the same file
     rows = [{"id": p.id, "dataset": dataset, "messages": p.messages, "n_user_turns": p.n_user_turns} for p in ordered]
     table = pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
-    _write_atomically(path, lambda temporary: pq.write_table(table, temporary))
-
-
-def _write_json(path: str | Path, value: dict) -> None:
-    text = json.dumps(value, indent=2, ensure_ascii=False) + "\n"
-    _write_atomically(path, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
+    write_atomically(path, lambda temporary: pq.write_table(table, temporary))
 
 
 def _check_arguments(fmt: str, limit: int | None, n_shards: int, heldout_fraction: float,
@@ -348,7 +330,7 @@ def build_prompts(
         "truncation": truncation.as_dict() if truncation is not None else None,
         "roles_seen": dict(collected.roles_seen.most_common()),
     }
-    _write_json(summary_path, summary)  # written last: its presence means the prompt files are complete
+    write_json_atomically(summary_path, summary)  # written last: its presence means the prompt files are complete
     return summary
 
 

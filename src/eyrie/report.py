@@ -21,7 +21,6 @@ import platform
 import re
 import shlex
 import subprocess
-import tempfile
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -39,6 +38,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 import eyrie
+from eyrie.atomic import write_text_atomically
 
 REPO_ROOT = Path(eyrie.__file__).resolve().parents[2]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
@@ -81,7 +81,7 @@ def write_report(
     A path that does not exist is a stage not built yet; one that exists but cannot be read is a warning.
     """
     figures = collect(config, prompt_summaries, completions, tokens, vocab=vocab, hidden=hidden, drafter=drafter, bench=bench)
-    _write_atomically(Path(out_path), render(figures))
+    write_text_atomically(out_path, render(figures))
 
 
 def collect(
@@ -1251,19 +1251,3 @@ def _fmt_pct(value: float | None) -> str:
 def _clip(text: str, limit: int = SAMPLE_CHARS) -> str:
     text = str(text)
     return text if len(text) <= limit else f"{text[:limit]}… [{len(text) - limit:,} more characters]"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Readers (and a killed job) see the old page or the new one, never half a page."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -244,7 +244,7 @@ def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor
     most positions (prompt tokens) are never trained.
     """
     B, L = input_ids.shape
-    attn, layer = model.midlayer.self_attn, model.midlayer
+    attn = model.midlayer.self_attn
     pos = torch.arange(L, device=input_ids.device)
     key_real = pos[None, :] < lengths[:, None]  # (B, Tk)
     causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
@@ -258,12 +258,9 @@ def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor
         q, k, v = attn.project(x, cos, sin)
         blocks.append((k, v, mask0 if j == 0 else None))
         attended = attn.attend(q, blocks)
-        # Eagle3Drafter.finish without its head (the head is applied below, where it is needed);
-        # test_training_forward_equals_chained_inference_decode holds the two together.
-        residual = hidden + attended
-        out = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        chosen = out if select is None else out[select[j]]
-        logits_per_step.append(model.lm_head(model.norm(chosen)))
+        out = model.layer_output(hidden, attended)
+        # The head only where a loss is taken: test_training_forward_equals_chained_inference_decode ties this to decode.
+        logits_per_step.append(model.head(out if select is None else out[select[j]]))
         hidden = out
     return logits_per_step
 

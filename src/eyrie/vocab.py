@@ -10,7 +10,6 @@ safetensors file (never pickle) with a JSON manifest in its metadata.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eyrie.atomic import write_atomically
 from eyrie.errors import EyrieError
 
 MANIFEST_KEY = "manifest"
@@ -81,15 +81,8 @@ def _save_atomic(tensors: dict, metadata: dict, out_path: str | Path) -> None:
     """safetensors bytes to a temp name beside out_path, then os.replace: readers never see a partial file."""
     from safetensors.torch import save
 
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    try:
-        # save() + a plain open() rather than save_file(): the file gets the usual umask permissions.
-        tmp.write_bytes(save(tensors, metadata=metadata))
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # save() + a plain write rather than save_file(): the file gets the usual umask permissions.
+    write_atomically(out_path, lambda temporary: temporary.write_bytes(save(tensors, metadata=metadata)))
 
 
 def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_vocab_size: int, out_path: str) -> dict:
