@@ -127,3 +127,23 @@ def test_crash_then_rerun_reuses_finished_turns_and_matches_a_clean_run(tmp_path
 def test_changed_settings_do_not_reuse_old_turns(tmp_path, engine):
     assert settings_key(SETTINGS, "fp") != settings_key({**SETTINGS, "max_new_tokens": 11}, "fp")
     assert settings_key(SETTINGS, "fp") != settings_key(SETTINGS, "other model")
+
+
+def test_continuous_batching_gives_the_padded_engines_greedy_turns(engine):
+    """transformers' continuous batching (the CUDA default) answers exactly as padded batches do, in fp32."""
+    from eyrie.engine import resolve_batching
+
+    prompts = [engine.prompt_ids([{"role": "user", "content": text}]) for text in ("Name a fruit.", "What is 3+4? Explain.", "Say no.")]
+    settings = {**SETTINGS, "max_new_tokens": 12}
+    padded = engine.generate(prompts, settings)
+    assert engine.batching == "padded" == resolve_batching("auto", "cpu")
+    engine.batching = "continuous"
+    try:
+        continuous = engine.generate(prompts, settings)
+    finally:
+        engine.batching = "padded"
+    assert [t.reply for t in continuous] == [t.reply for t in padded]
+    assert [(t.finish_reason, t.completion_tokens, t.prompt_tokens) for t in continuous] == [
+        (t.finish_reason, t.completion_tokens, t.prompt_tokens) for t in padded
+    ]
+    assert resolve_batching("auto", "cuda") == "continuous"

@@ -26,14 +26,41 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
-class TransformersEngine:
-    """Generates one assistant turn for many conversations at once, left-padded."""
+BATCHING = ("padded", "continuous")
 
-    def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
+
+def resolve_batching(batching: str, device_type: str) -> str:
+    """auto: transformers' continuous batching on CUDA (paged KV cache, CUDA graphs), padded batches on CPU."""
+    if batching == "auto":
+        return "continuous" if device_type == "cuda" else "padded"
+    if batching not in BATCHING:
+        raise ValueError(f"engine.batching must be auto, padded or continuous, got {batching!r}")
+    return batching
+
+
+class TransformersEngine:
+    """Generates one assistant turn for many conversations at once.
+
+    padded: one `generate` call per batch, left-padded; every row runs until the longest is done.
+    continuous: transformers' `generate_batch`, which schedules requests over a paged KV cache,
+    admits new ones as others finish and replays CUDA graphs; same tokens, far fewer wasted steps.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        trust_remote_code: bool = False,
+        batching: str = "auto",
+        kv_memory_fraction: float = 0.8,
+    ):
         from eyrie.model import load_target
 
         self.model, self.tokenizer = load_target(model_dir, dtype, device, trust_remote_code)
         self.device = self.model.device
+        self.batching = resolve_batching(batching, self.device.type)
+        self.kv_memory_fraction = kv_memory_fraction
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.stop_ids = self._stop_ids()
@@ -49,36 +76,69 @@ class TransformersEngine:
         text = render(self.tokenizer, messages, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompts: list[list[int]], settings: dict) -> list[TurnResult]:
-        import torch
+    def _generation_config(self, settings: dict):
         from transformers import GenerationConfig
 
-        width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         sampling = settings["temperature"] > 0
-        config = GenerationConfig(
+        return GenerationConfig(
             max_new_tokens=settings["max_new_tokens"],
             do_sample=sampling,
             temperature=settings["temperature"] if sampling else None,
             top_p=settings["top_p"] if sampling else None,
             top_k=(settings["top_k"] or None) if sampling else None,
             eos_token_id=sorted(self.stop_ids),
-            pad_token_id=pad,
+            pad_token_id=self.tokenizer.pad_token_id,
         )
+
+    def generate(self, prompts: list[list[int]], settings: dict) -> list[TurnResult]:
+        rows = self._continuous(prompts, settings) if self.batching == "continuous" else self._padded(prompts, settings)
+        return [self._turn(prompt, row) for prompt, row in zip(prompts, rows)]
+
+    def _padded(self, prompts: list[list[int]], settings: dict) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         with torch.inference_mode():
-            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        results = []
-        for prompt, row in zip(prompts, output[:, width:].tolist()):
-            stop_at = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
-            new_tokens = row if stop_at is None else row[:stop_at]
-            results.append(
-                TurnResult(
-                    reply=self.tokenizer.decode(new_tokens, skip_special_tokens=True),
-                    finish_reason="length" if stop_at is None else "stop",
-                    prompt_tokens=len(prompt),
-                    completion_tokens=len(new_tokens) + (stop_at is not None),
-                )
+            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config(settings))
+        return output[:, width:].tolist()
+
+    def _continuous(self, prompts: list[list[int]], settings: dict) -> list[list[int]]:
+        import torch
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        if self.device.type == "cuda":
+            # Sized from free GPU memory; the fraction leaves room for other jobs sharing the card.
+            cb_config = ContinuousBatchingConfig(max_memory_percent=self.kv_memory_fraction)
+        else:
+            # Off CUDA the auto-sizing probes for a GPU-sized cache (tens of seconds): size it for this batch.
+            longest = max(len(p) for p in prompts) + settings["max_new_tokens"]
+            blocks_per_request = -(-longest // 256) + 1
+            cb_config = ContinuousBatchingConfig(num_blocks=blocks_per_request * len(prompts), max_batch_tokens=max(256, longest))
+        if settings["temperature"] > 0:
+            # The manager samples with its own generator: seed it from ours, which the caller seeded per batch.
+            cb_config.seed = int(torch.randint(0, 2**31 - 1, ()))
+        with torch.inference_mode():
+            outputs = self.model.generate_batch(
+                [list(p) for p in prompts], generation_config=self._generation_config(settings), continuous_batching_config=cb_config
             )
-        return results
+        results = list(outputs.values())
+        failed = [r for r in results if r.error is not None]
+        if len(results) != len(prompts) or failed:
+            reason = failed[0].error if failed else f"{len(prompts) - len(results)} of {len(prompts)} requests returned nothing"
+            raise RuntimeError(
+                f"continuous batching failed ({reason}); finished turns are kept. Rerun, or set engine.batching: padded"
+            )
+        return [list(r.generated_tokens) for r in results]
+
+    def _turn(self, prompt: list[int], row: list[int]) -> TurnResult:
+        stop_at = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
+        new_tokens = row if stop_at is None else row[:stop_at]
+        return TurnResult(
+            reply=self.tokenizer.decode(new_tokens, skip_special_tokens=True),
+            finish_reason="length" if stop_at is None else "stop",
+            prompt_tokens=len(prompt),
+            completion_tokens=len(new_tokens) + (stop_at is not None),
+        )

@@ -17,7 +17,9 @@ def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threa
         from eyrie.engine import TransformersEngine
 
         torch.set_num_threads(threads)
-        engine = TransformersEngine(model_dir, **model_settings)
+        engine = TransformersEngine(
+            model_dir, **model_settings, batching=engine_config["batching"], kv_memory_fraction=engine_config["kv_memory_fraction"]
+        )
         yield engine, engine.tokenizer
         return
 
