@@ -50,7 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--model-name", default=DEFAULT_MODEL, help="model directory name under WORKDIR/resources/models")
     parser.add_argument("--dataset", help="held-out prompts of this dataset (default: the first under WORKDIR/results/prompts)")
     parser.add_argument("--target", type=Path, help="HF target directory (overrides --workdir's)")
-    parser.add_argument("--drafter", type=Path, help="trained drafter directory (overrides --workdir's)")
+    parser.add_argument("--drafter", type=Path, help="trained drafter directory (overrides --workdir's); 'random': an untrained one (acceptance ~1, measures overhead only)")
     parser.add_argument("--heldout", type=Path, help="a heldout.parquet to take prompts from (overrides --workdir's)")
     parser.add_argument("--prompts", type=int, default=8, help="number of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -108,9 +108,31 @@ def workdir_paths(args):
     return target, drafter, heldout, dataset or (heldout.parent.name if heldout else "built-in")
 
 
+def random_drafter(model) -> "Eagle3Drafter":
+    """An untrained drafter for the real target: every speed path runs, nearly nothing is accepted."""
+    from eyrie.drafter import DrafterShape, Eagle3Drafter
+    from eyrie.hidden import default_aux_layer_ids
+
+    torch.manual_seed(0)
+    vocab, draft_vocab = model.config.vocab_size, min(32000, model.config.vocab_size)
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    target_to_draft = torch.zeros(vocab, dtype=torch.bool)
+    target_to_draft[kept] = True
+    shape = DrafterShape.from_target(model.config, draft_vocab, default_aux_layer_ids(model.config.num_hidden_layers))
+    embeddings = model.get_input_embeddings().weight.detach().cpu()
+    drafter = Eagle3Drafter(shape, embeddings, kept - torch.arange(draft_vocab), target_to_draft)
+    return drafter.to(device=model.device, dtype=model.dtype).eval()
+
+
 def real_inputs(args, dtype_name, device):
+    from eyrie.model import load_target
+
     target_dir, drafter_dir, heldout, dataset = workdir_paths(args)
-    model, tokenizer, drafter, drafter_label, _ = load_models(target_dir, drafter_dir, dtype_name, device, None, False)
+    if str(drafter_dir) == "random":
+        model, tokenizer = load_target(target_dir, dtype=dtype_name, device=device)
+        drafter, drafter_label = random_drafter(model), "random untrained drafter"
+    else:
+        model, tokenizer, drafter, drafter_label, _ = load_models(target_dir, drafter_dir, dtype_name, device, None, False)
     if heldout is not None:
         prompts = load_benchmark_prompts(dataset, heldout, args.prompts)
     else:

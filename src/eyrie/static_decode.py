@@ -185,7 +185,7 @@ class StaticLlama:
         # GQA without repeating the cache: the `group` query heads of one kv head become rows.
         group = self.heads // self.kv_heads
         q = q.reshape(B, self.kv_heads, group * T, self.head_dim)  # head g*group + r -> kv head g
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(group, 1), scale=attention.scaling)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attention.scaling)
         out = out.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return attention.o_proj(out)
 
@@ -197,6 +197,7 @@ class StaticLlama:
         x = self.model.model.embed_tokens(ids)  # (1, T, H)
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]  # (1, 1, T, hd)
         mask = self.slots[None, :] <= positions[:, None]  # (T, capacity): a key slot is visible up to the query's position
+        mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, capacity): the rows of _attention's grouped queries
         saved = {}
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), positions, cos, sin, mask)
