@@ -26,7 +26,14 @@ from pathlib import Path
 
 import torch
 
-from eyrie.bench import WARMUP_TOKENS, first_divergence, first_turn, load_benchmark_prompts, load_models, stop_ids_of
+from eyrie.bench import (
+    WARMUP_TOKENS,
+    first_divergence,
+    first_turn,
+    load_benchmark_prompts,
+    load_models,
+    stop_ids_of,
+)
 from eyrie.chat import render
 from eyrie.speculative import greedy_decode, speculative_decode
 from eyrie.static_decode import StaticLlama, needed_capacity
@@ -108,7 +115,7 @@ def workdir_paths(args):
     return target, drafter, heldout, dataset or (heldout.parent.name if heldout else "built-in")
 
 
-def random_drafter(model) -> "Eagle3Drafter":
+def random_drafter(model):
     """An untrained drafter for the real target: every speed path runs, nearly nothing is accepted."""
     from eyrie.drafter import DrafterShape, Eagle3Drafter
     from eyrie.hidden import default_aux_layer_ids
@@ -166,7 +173,7 @@ def open_engines(model, wanted: set[str], capacity: int, errors: dict):
             continue
         try:
             engines[kind] = StaticLlama(model, capacity=capacity, cuda_graphs=kind == "graphs")
-        except Exception as error:  # the others still run
+        except Exception as error:  # noqa: BLE001 -- the others still run
             traceback.print_exc()
             errors[kind] = f"{type(error).__name__}: {error}"
     return engines
@@ -197,7 +204,7 @@ def measure_variants(variants, engines, drafter, prompts, args, stop_ids, device
             continue
         try:
             run_once(engines[kind], speculative, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, args.draft_tokens, device)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 -- one failing variant must not cost the others
             traceback.print_exc()
             state[name]["error"] = f"{type(error).__name__}: {error}"
     for repeat in range(max(args.repeats, args.hf_repeats)):
@@ -208,7 +215,7 @@ def measure_variants(variants, engines, drafter, prompts, args, stop_ids, device
                     continue
                 try:
                     result, seconds = run_once(engines[kind], speculative, drafter, prompt_ids, args.max_new_tokens, stop_ids, args.draft_tokens, device)
-                except Exception as error:
+                except Exception as error:  # noqa: BLE001 -- one failing variant must not cost the others
                     traceback.print_exc()
                     entry["error"] = f"{type(error).__name__}: {error}"
                     continue
@@ -271,8 +278,8 @@ def summarise(variants, state, engines_errors, prompts) -> dict:
 
 
 def table(dtype_name: str, result: dict) -> list[str]:
-    lines = [f"dtype {dtype_name}: {result['prompts']} prompts; ratios vs the strongest greedy ({result['best_greedy']}); "
-             f"agreement vs {result['agreement_reference']}",
+    lines = [(f"dtype {dtype_name}: {result['prompts']} prompts; ratios vs the strongest greedy ({result['best_greedy']}); "
+             f"agreement vs {result['agreement_reference']}"),
              f"{'variant':<22}{'tok/s':>10}{'ratio':>8}{'accept':>8}{'identical':>11}{'matched':>9}"]
     for name, row in result["variants"].items():
         if row["error"] is not None:
@@ -324,7 +331,7 @@ def main(argv=None) -> None:
     for dtype_name in dtypes:
         try:
             result = run_dtype(args, dtype_name, device, variants)
-        except Exception as error:  # e.g. a model that does not load: the other dtype may still run
+        except Exception as error:  # noqa: BLE001 -- e.g. a model that does not load: the other dtype may still run
             traceback.print_exc()
             result = {"error": f"{type(error).__name__}: {error}"}
             lines.append(f"dtype {dtype_name}: ERROR {result['error'][:200]}")

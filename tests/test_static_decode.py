@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyrie.chat import render
 from eyrie.drafter import DrafterShape, Eagle3Drafter
 from eyrie.hidden import capture_indices, default_aux_layer_ids
 from eyrie.speculative import Eagle3Chain, greedy_decode, speculative_decode
-from eyrie.static_decode import StaticLlama, UnsupportedTargetError, needed_capacity, open_decoder, unsupported_reason
+from eyrie.static_decode import (
+    StaticLlama,
+    UnsupportedTargetError,
+    needed_capacity,
+    open_decoder,
+    unsupported_reason,
+)
 
 MAX_NEW = 20
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?"]
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=6, max_position_embeddings=256)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 6, "max_position_embeddings": 256}
 
 
 @pytest.fixture(scope="module", autouse=True)

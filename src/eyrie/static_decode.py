@@ -249,7 +249,7 @@ class StaticLlama:
 
     # ---- speculative
 
-    def drafter_for(self, drafter: Eagle3Drafter) -> "StaticEagle3":
+    def drafter_for(self, drafter: Eagle3Drafter) -> StaticEagle3:
         if id(drafter) not in self.drafters:
             self.drafters[id(drafter)] = StaticEagle3(self, drafter)
         return self.drafters[id(drafter)]
