@@ -9,6 +9,7 @@ rule benchmark_heldout:
     output:
         "results/bench/{dataset}.json",
     params:
+        # The whole section (draft_tokens, decoder, dtype...): changing any of them reruns the benchmark.
         bench=canonical({k: v for k, v in config["bench"].items() if k != "humaneval"}),
     threads: workflow.cores
     log:

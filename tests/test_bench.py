@@ -124,7 +124,18 @@ def test_engaged_run_returns_what_it_writes(tmp_path, model_dir, drafter):
         bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0}, out_path=out, device="cpu",
     )
     assert result["error"] is None
+    assert result["decoder"] == "static" and result["decoder_fallback_reason"] is None  # auto: the Llama target runs static
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+
+
+def test_transformers_decoder_is_recorded_with_the_reason(tmp_path, model_dir, drafter):
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 4, "min_acceptance_length": 1.0, "decoder": "transformers"},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    assert result["decoder"] == "transformers" and "transformers" in result["decoder_fallback_reason"]
+    assert result["lossless"] is True
 
 
 def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, drafter):

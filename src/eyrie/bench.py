@@ -2,6 +2,8 @@
 
 Each prompt is decoded twice by the same target in the same process: plain greedy (one token per
 target forward, with a KV cache) and chain speculative decoding with the drafter (eyrie.speculative).
+Both run on the same decoder (bench.decoder): eyrie's static-cache loop (CUDA graphs on CUDA) when
+the target is Llama-structured, else transformers' own; the JSON names the one that ran.
 The JSON records, per prompt and overall, the measured acceptance length (the bonus token counts),
 the per-position acceptance rate, tokens/s of both decoders and whether the outputs are identical.
 
@@ -43,7 +45,10 @@ NOT_ENGAGED_CAUSES = (
 )
 
 # The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
-DEFAULTS = {"draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32", "prompts_per_dataset": 16}
+DEFAULTS = {
+    "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32", "prompts_per_dataset": 16,
+    "decoder": "auto",
+}
 WARMUP_TOKENS = 8
 
 
@@ -241,7 +246,10 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
 
 
 def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int) -> list[dict]:
-    """Plain greedy, then speculative, on each (id, prompt ids): one row per prompt."""
+    """Plain greedy, then speculative, on each (id, prompt ids): one row per prompt.
+
+    `model` is a transformers model or a StaticLlama around one (see open_decoder): both decoders use it.
+    """
     from eyrie.speculative import greedy_decode, speculative_decode
 
     # Warm up both decoders once, so the first timed prompt pays no one-time costs (allocations, kernel choice).
@@ -253,6 +261,15 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
     return rows
+
+
+def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
+    """(decoder both measurements use, its label, why the static one was not used or None), sized for every prompt."""
+    from eyrie.static_decode import needed_capacity, open_decoder
+
+    longest = max(len(ids) for _, ids in encoded)
+    capacity = needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), cfg["draft_tokens"])
+    return open_decoder(model, cfg["decoder"], capacity)
 
 
 def run_benchmark(
@@ -282,12 +299,15 @@ def run_benchmark(
     for prompt in prompts:
         text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
         encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
-    rows = measure(model, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"])
+    engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
+    rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"])
 
     result = {
         "benchmark": benchmark_name,
         **summarise(rows, cfg["draft_tokens"]),
         "draft_tokens": cfg["draft_tokens"],
+        "decoder": decoder,
+        "decoder_fallback_reason": fallback,
         "max_new_tokens": cfg["max_new_tokens"],
         "min_acceptance_length": cfg["min_acceptance_length"],
         "dtype": str(model.dtype).removeprefix("torch."),

@@ -11,6 +11,9 @@ One round is three steps, as in gpt-fast:
   accept  the longest prefix the target agrees with, plus the target's own next token (the bonus).
 
 Both decoders share `_forward`, the stopping rule and the timing, so the speed ratio is fair.
+`target` is a transformers model, or an eyrie.static_decode.StaticLlama wrapping one (the same
+weights on a static KV cache, replayed as CUDA graphs on CUDA): both functions then hand over to it,
+with the same results.
 """
 
 from __future__ import annotations
@@ -119,9 +122,17 @@ def _emit(tokens: list[int], new: list[int], max_new_tokens: int, stop_ids) -> l
     return new[: max_new_tokens - len(tokens)]
 
 
+def _is_static(target) -> bool:
+    from eyrie.static_decode import StaticLlama  # it imports this module
+
+    return isinstance(target, StaticLlama)
+
+
 @torch.inference_mode()
 def greedy_decode(target, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> DecodeResult:
     """Plain greedy decoding, one token per target forward, with a KV cache."""
+    if _is_static(target):
+        return target.greedy_decode(prompt_ids, max_new_tokens, stop_ids)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
     logits = _forward(target, prompt_ids, cache, last_only=True).logits  # prefill
@@ -138,6 +149,8 @@ def speculative_decode(
     target, drafter: Eagle3Drafter | DraftSession, prompt_ids: list[int], max_new_tokens: int, stop_ids, draft_tokens: int
 ) -> SpecResult:
     """Greedy chain speculative decoding; the output equals greedy_decode's token for token."""
+    if _is_static(target):
+        return target.speculative_decode(drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
     start_time = time.perf_counter()
     k = draft_tokens
     session = Eagle3Chain(drafter) if isinstance(drafter, Eagle3Drafter) else drafter

@@ -1,0 +1,246 @@
+"""The static-cache decoder: same logits, same greedy tokens and lossless speculation as transformers' decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyrie.chat import render
+from eyrie.drafter import DrafterShape, Eagle3Drafter
+from eyrie.hidden import capture_indices, default_aux_layer_ids
+from eyrie.speculative import Eagle3Chain, greedy_decode, speculative_decode
+from eyrie.static_decode import (
+    StaticLlama,
+    UnsupportedTargetError,
+    needed_capacity,
+    open_decoder,
+    unsupported_reason,
+)
+
+MAX_NEW = 20
+QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?"]
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 6, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    """These decode token by token: see conftest.one_torch_thread."""
+
+
+def tiny_model(kind: str = "llama", vocab_size: int = 300, initializer_range: float = 0.02, **changes):
+    """A random float32 causal LM of the given family, small enough for seconds-long tests."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    config = config_class(**TINY, vocab_size=vocab_size, initializer_range=initializer_range, **changes)
+    return model_class(config).eval()
+
+
+def tiny_drafter(model, aux_layer_ids=(0, 2, 3), scale: float = 0.2) -> Eagle3Drafter:
+    """A random drafter over the target's whole vocabulary, its weights wide enough to disagree and agree with the target."""
+    vocab = model.config.vocab_size
+    shape = DrafterShape.from_target(model.config, vocab, list(aux_layer_ids))
+    drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for weight in drafter.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, scale)
+    return drafter.eval()
+
+
+class RecordingChain(Eagle3Chain):
+    """transformers' path with the real drafter, keeping each round's drafts."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.drafted = []
+
+    def draft(self, k):
+        drafts = super().draft(k)
+        self.drafted.append(drafts)
+        return drafts
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_static_forward_logits_equal_transformers(kind):
+    """Prefill, then decode steps one and three tokens at a time: each equals the full forward (GQA, biases for qwen2)."""
+    changes = {"sliding_window": None} if kind == "mistral" else {}
+    model = tiny_model(kind, **changes)
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    engine = StaticLlama(model, capacity=40, cuda_graphs=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+    with torch.inference_mode():
+        expected = model(ids).logits  # (1, 24, V)
+        prefill = engine.logits(ids[:, :16], torch.arange(16))
+        one = engine.logits(ids[:, 16:17], torch.tensor([16]))
+        three = engine.logits(ids[:, 17:20], torch.arange(17, 20))
+        # Rejected slots 20..22 hold other tokens' K/V; rewriting from 20 must not see them.
+        engine.logits(torch.randint(0, model.config.vocab_size, (1, 3)), torch.arange(20, 23))
+        rewritten = engine.logits(ids[:, 20:24], torch.arange(20, 24))
+    got = torch.cat([prefill, one, three, rewritten], dim=1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tied_embeddings_and_aux_states_match_transformers():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    engine = StaticLlama(model, capacity=32, cuda_graphs=False)
+    ids = torch.randint(0, 300, (1, 12))
+    aux_layer_ids = [3, 0, 2]  # out of order on purpose: the concatenation follows the ids' order
+    with torch.inference_mode():
+        states = model(ids, output_hidden_states=True).hidden_states
+        predicted, aux = engine.predict(ids, torch.arange(12), aux_layers=tuple(aux_layer_ids))
+        logits = model(ids).logits
+    expected = torch.cat([states[i] for i in capture_indices(aux_layer_ids, 6)], dim=-1)
+    torch.testing.assert_close(aux, expected, atol=1e-5, rtol=1e-5)
+    assert predicted.tolist() == logits.argmax(-1).tolist()
+
+
+# --------------------------------------------------------------------------- speculative, tiny target
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_static_rounds_draft_exactly_like_the_eagle3_chain(k):
+    """Round by round the same drafts and accepts as transformers' path with Eagle3Chain, and greedy's tokens."""
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)  # a tiny vocabulary: drafts often agree
+    drafter = tiny_drafter(model)
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    prompt, max_new = torch.randint(0, 5, (12,)).tolist(), 60
+    greedy = greedy_decode(model, prompt, max_new, set()).tokens
+    chain = RecordingChain(drafter)
+    reference = speculative_decode(model, chain, prompt, max_new, set(), draft_tokens=k)
+    static = speculative_decode(engine, drafter, prompt, max_new, set(), draft_tokens=k)
+    static_drafter = engine.drafter_for(drafter)
+    assert static.tokens == reference.tokens == greedy
+    assert static_drafter.drafted == chain.drafted
+    assert static.acceptance_lengths == reference.acceptance_lengths
+    assert static.accepted_per_position == reference.accepted_per_position
+    assert static.target_forwards == static.rounds + 1
+    if k > 1:  # partial accepts happened, so padded extends of several sizes were exercised
+        assert len({length for length in static.acceptance_lengths}) >= 2 and max(static.acceptance_lengths) > 1
+
+
+def test_static_greedy_stops_at_stop_tokens_and_budget():
+    model = tiny_model("llama")
+    engine = StaticLlama(model, capacity=16, cuda_graphs=False)  # too small: grows on demand
+    prompt = torch.randint(0, 300, (10,)).tolist()
+    expected = greedy_decode(model, prompt, 30, set()).tokens
+    assert greedy_decode(engine, prompt, 30, set()).tokens == expected
+    assert engine.capacity >= needed_capacity(10, 30)
+    stop = {expected[7]}
+    cut = expected[: expected.index(expected[7]) + 1]
+    assert greedy_decode(engine, prompt, 30, stop).tokens == cut
+    drafter = tiny_drafter(model)
+    assert speculative_decode(engine, drafter, prompt, 30, stop, draft_tokens=4).tokens == cut
+    for max_new in (1, 2, 7):
+        assert speculative_decode(engine, drafter, prompt, max_new, set(), draft_tokens=5).tokens == expected[:max_new]
+
+
+class RightSession:
+    """Drafter double that knows the greedy continuation: every draft is accepted."""
+
+    def __init__(self, aux_layer_ids, sequence):
+        self.aux_layer_ids, self.sequence, self.calls = aux_layer_ids, sequence, []
+
+    def extend(self, aux_hidden, next_ids, start):
+        self.calls.append((aux_hidden.clone(), list(next_ids), start))
+        self.first_draft = start + len(next_ids) + 1
+
+    def draft(self, k):
+        return self.sequence[self.first_draft : self.first_draft + k]
+
+
+def test_drafter_session_double_on_the_static_target_gets_every_feature_once():
+    model = tiny_model("llama")
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    prompt = torch.randint(0, 300, (9,)).tolist()
+    greedy = greedy_decode(model, prompt, 40, set()).tokens
+    k, max_new = 3, 1 + 4 * 4
+    session = RightSession([0, 2, 3], prompt + greedy)
+    result = speculative_decode(engine, session, prompt, max_new, set(), draft_tokens=k)
+    assert result.tokens == greedy[:max_new]
+    assert result.acceptance_lengths == [k + 1] * 4 and result.accepted_per_position == [4] * k
+    fed = torch.cat([aux for aux, _, _ in session.calls], dim=1)[0]
+    sequence = prompt + result.tokens
+    with torch.inference_mode():
+        states = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i][0, : len(fed)] for i in capture_indices([0, 2, 3], 6)], dim=-1)
+    torch.testing.assert_close(fed, expected, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- support
+
+
+def test_unsupported_targets_fall_back_with_the_reason():
+    qwen3 = tiny_model("qwen3")
+    assert "qwen3" in unsupported_reason(qwen3)
+    engine, label, reason = open_decoder(qwen3, "auto", capacity=32)
+    assert engine is qwen3 and label == "transformers" and "qwen3" in reason
+    with pytest.raises(UnsupportedTargetError, match="bench.decoder: transformers"):
+        open_decoder(qwen3, "static", capacity=32)
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert "dynamic" in unsupported_reason(dynamic)
+    sliding = tiny_model("mistral", sliding_window=16)
+    assert "sliding" in unsupported_reason(sliding)
+    llama = tiny_model("llama")
+    engine, label, reason = open_decoder(llama, "auto", capacity=32)
+    assert isinstance(engine, StaticLlama) and label == ("static-cudagraph" if torch.cuda.is_available() else "static") and reason is None
+    assert open_decoder(llama, "transformers", capacity=32)[:2] == (llama, "transformers")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_equal_eager_runs():
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2).cuda()
+    drafter = tiny_drafter(model).cuda()
+    prompt = torch.randint(0, 5, (12,)).tolist()
+    eager, graphed = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=True)
+    assert greedy_decode(graphed, prompt, 40, set()).tokens == greedy_decode(eager, prompt, 40, set()).tokens
+    for k in (1, 4):
+        a = speculative_decode(eager, drafter, prompt, 40, set(), k)
+        b = speculative_decode(graphed, drafter, prompt, 40, set(), k)
+        assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+
+
+# --------------------------------------------------------------------------- the real target
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    _, tokenizer = target
+    rendered = [render(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+
+
+def real_random_drafter(model, draft_vocab_size: int = 2048) -> Eagle3Drafter:
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
+    target_to_draft = torch.zeros(vocab, dtype=torch.bool)
+    target_to_draft[kept] = True
+    shape = DrafterShape.from_target(model.config, draft_vocab_size, default_aux_layer_ids(model.config.num_hidden_layers))
+    return Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab_size), target_to_draft).eval()
+
+
+def test_static_decoder_on_the_default_target_is_greedy_and_lossless(target, prompts):
+    model, tokenizer = target
+    stop_ids = {tokenizer.eos_token_id}
+    engine = StaticLlama(model, capacity=needed_capacity(max(map(len, prompts)), MAX_NEW, 5), cuda_graphs=False)
+    drafter = real_random_drafter(model)
+    for prompt in prompts:
+        expected = greedy_decode(model, prompt, MAX_NEW, stop_ids).tokens
+        assert greedy_decode(engine, prompt, MAX_NEW, stop_ids).tokens == expected
+        for k in (1, 3, 5):
+            result = speculative_decode(engine, drafter, prompt, MAX_NEW, stop_ids, draft_tokens=k)
+            assert result.tokens == expected
+            assert sum(result.acceptance_lengths) == len(result.tokens) - 1
