@@ -21,8 +21,13 @@ def chunk_rows_for(vocab_size: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> i
     return max(1, elements // vocab_size)
 
 
+def _stat_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics in float32 at least (float64 stays float64: exact tests)."""
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
 def _logits(x_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (x_chunk @ weight.T).float()  # (c, Vd) float32
+    return (x_chunk @ weight.T).to(_stat_dtype(x_chunk.dtype))  # (c, Vd)
 
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
@@ -32,8 +37,8 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         w = weight.to(compute_dtype)
         xc = x.to(compute_dtype)
         n = xc.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        lse = torch.empty(n, dtype=_stat_dtype(compute_dtype), device=x.device)
+        loss = torch.zeros((), dtype=lse.dtype, device=x.device)
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         for a in range(0, n, chunk_rows):
             z = _logits(xc[a : a + chunk_rows], w)
@@ -52,7 +57,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         xc, weight, probs, rows, lse = ctx.saved_tensors
         w = weight.to(ctx.compute_dtype)
         grad_x = torch.empty_like(xc)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # accumulated over chunks in fp32
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # accumulated over chunks in fp32 (at least)
         step = ctx.chunk_rows
         for a in range(0, xc.shape[0], step):
             x_chunk = xc[a : a + step]
@@ -62,7 +67,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             grad_z = (grad_z * grad_loss).to(ctx.compute_dtype)  # (c, Vd)
             del z, p
             grad_x[a : a + step] = grad_z @ w
-            grad_w += (grad_z.T @ x_chunk).float()
+            grad_w += grad_z.T @ x_chunk
         grad_x = grad_x.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None, None, None

@@ -7,8 +7,9 @@ softmax eagerly (fp32 scores of every block, repeated KV heads) and stays the re
 CPU path; here flex attention skips the masked tiles and never materialises the scores.
 
 On CUDA flex_attention runs compiled (torch.compile; the mask and lengths are tensors so a new
-batch does not recompile, and the first shape change turns on dynamic shapes). Elsewhere it runs
-unfused (flex_attention's own eager implementation): only for tests, it materialises the scores.
+batch does not recompile, and the first shape change turns on dynamic shapes). Elsewhere (no flex
+backward off CUDA) the same mask_mod is materialised and fed to scaled_dot_product_attention:
+only for tests and CPU smoke runs.
 """
 
 from __future__ import annotations
@@ -93,11 +94,10 @@ def _compiled_flex():
 def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask) -> torch.Tensor:
     """Per-head attention outputs (B, h, T, hd) of q (B, h, T, hd) over the key blocks (each (B, kv_h, T, hd)).
 
-    q, k, v are brought to v's dtype (under bf16 autocast the rotary leaves q, k in float32,
-    the linear layers give bf16): flex attention wants one dtype.
+    CUDA: compiled flex attention. Elsewhere flex attention has no backward, so the same mask_mod
+    is evaluated densely and fed to scaled_dot_product_attention (tests, CPU smoke runs).
+    q, k, v are brought to v's dtype: under bf16 autocast the rotary leaves q, k in float32.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
     dtype = values[0].dtype
     k = torch.cat(keys, dim=2).to(dtype)  # (B, kv_h, blocks * T, hd)
     v = torch.cat(values, dim=2)
@@ -106,6 +106,22 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     scale = 1.0 / math.sqrt(q.shape[-1])
     if q.is_cuda:
         return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    with warnings.catch_warnings():  # unfused off CUDA is intended (tests), not a mistake to warn about
+    return dense_ttt_attention(q, k, v, block_mask.mask_mod, scale, enable_gqa)
+
+
+def dense_ttt_attention(q, k, v, mask_mod, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """flex attention's result, computed with the mask_mod materialised: O(T x blocks*T) memory."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    B, _, T, _ = q.shape
+    mask = create_mask(mask_mod, B, 1, T, k.shape[2], device=q.device)  # (B, 1, T, blocks * T)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def unfused_flex_attention(q, k, v, block_mask, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention itself without torch.compile (forward only off CUDA): checks dense_ttt_attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():  # unfused is intended here, not a mistake to warn about
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
