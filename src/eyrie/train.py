@@ -270,9 +270,10 @@ def ttt_hidden(
         Lp = L
     attn = model.midlayer.self_attn
     pos = torch.arange(Lp, device=input_ids.device)
-    key_real = pos[None, :] < lengths[:, None]  # (B, Tk)
-    causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
-    mask0 = None if flex else (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
+    if not flex:
+        key_real = pos[None, :] < lengths[:, None]  # (B, Tk)
+        causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
+        mask0 = (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
     compute_dtype = _autocast_dtype(aux.device)
     hidden = model.fc(aux)
     blocks, keys, values, outs = [], [], [], []
@@ -758,14 +759,15 @@ def _final_metrics(log: list[dict], steps_per_epoch: int, ttt_steps: int) -> dic
 # --------------------------------------------------------------------------- optimizer and ranks
 
 
-def make_optimizer(model: Eagle3Drafter, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the float32 master weights (decay on matrices only); fused kernels on CUDA."""
+def make_optimizer(model: Eagle3Drafter, learning_rate: float, weight_decay: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW over the float32 master weights (decay on matrices only); fused kernels on CUDA unless fused=False."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    fused = all(p.is_cuda for p in params)  # one kernel per group instead of several per tensor
+    if fused is None:
+        fused = all(p.is_cuda for p in params)  # one kernel per group instead of several per tensor
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
 
 
@@ -779,6 +781,12 @@ def rank_share(refs: list, rank: int, world: int) -> tuple[list, float]:
         return refs, 1.0
     mine = refs[rank::world]
     return (mine, float(world)) if mine else (refs[:1], 0.0)
+
+
+def data_parallel(objective: TTTObjective, device) -> torch.nn.parallel.DistributedDataParallel:
+    """DDP around the objective; the frozen buffers (1 GB of embeddings) are not re-broadcast every step."""
+    device = torch.device(device)
+    return torch.nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
 
 class _Distributed:
@@ -939,9 +947,7 @@ def train_drafter(
     resumed_from = start_step
 
     if dist:  # after resuming: DDP starts every rank from rank 0's weights
-        objective = torch.nn.parallel.DistributedDataParallel(
-            objective, device_ids=[torch.device(device).index] if torch.device(device).type == "cuda" else None, broadcast_buffers=False
-        )
+        objective = data_parallel(objective, device)
     _say(
         progress,
         f"train: {len(samples)} samples in {steps_per_epoch} batches of <= {batch_tokens} tokens, {total_steps} steps "
