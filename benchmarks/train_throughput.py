@@ -105,6 +105,15 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
+def _compiled_graphs() -> int | None:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # private counters: absent or renamed in some torch versions
+        return None
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -129,7 +138,8 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         losses.append(result["loss"])
         if i >= args.warmup:
             times.append(elapsed)
-        print(f"  {name} step {i}{' (warm-up)' if i < args.warmup else ''}: {elapsed * 1000:.0f} ms, loss {result['loss']:.4f}", flush=True)
+        print(f"  {name} step {i}{' (warm-up)' if i < args.warmup else ''}: {elapsed * 1000:.0f} ms, loss {result['loss']:.4f}, "
+              f"compiled graphs {_compiled_graphs()}", flush=True)
         if i >= args.warmup and time.perf_counter() > deadline:
             print(f"  {name}: time cap {args.max_seconds}s reached after {len(times)} measured steps", flush=True)
             break
@@ -141,6 +151,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         "losses": losses,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "positions_trained_step0": result["stats"][0][2],
+        "dynamo_unique_graphs": _compiled_graphs(),  # cumulative; growing every step would mean flex recompiles
     }
     del objective, optimizer, target_head, batch
     gc.collect()

@@ -266,6 +266,8 @@ def ttt_hidden(
         Lp = padded_length(L, input_ids.device)
         aux, input_ids = _pad_time(aux, Lp), _pad_time(input_ids, Lp)
         select = None if select is None else [_pad_time(m, Lp) for m in select]
+        # All masks now, while little memory is in use: building one materialises [Lp, (j+1) Lp] temporaries.
+        block_masks = [ttt_block_mask(lengths, Lp, j + 1) for j in range(steps)]
     else:
         Lp = L
     attn = model.midlayer.self_attn
@@ -289,7 +291,7 @@ def ttt_hidden(
             q, k, v = attn.project(x, cos, sin, repeat_kv=False)
             keys.append(k)
             values.append(v)
-            attended = attn.output(flex_ttt_attention(q, keys, values, ttt_block_mask(lengths, Lp, j + 1)))
+            attended = attn.output(flex_ttt_attention(q, keys, values, block_masks[j]))
         else:
             q, k, v = attn.project(x, cos, sin)
             blocks.append((k, v, mask0 if j == 0 else None))
