@@ -490,3 +490,241 @@ def test_load_target_head_reads_untied_heads(tmp_path):
         assert torch.equal(head["lm_head"], f.get_tensor("lm_head.weight"))
         assert torch.equal(head["norm"], f.get_tensor("model.norm.weight"))
     assert not torch.equal(head["lm_head"], head["embed"])
+
+
+# --------------------------------------------------------------------------- fast paths: lean norm, flex attention, chunked loss
+
+
+def test_rms_norm_backward_equals_autograd_on_the_plain_formula():
+    from eyrie.drafter import RMSNorm
+
+    torch.manual_seed(0)
+    for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        norm = RMSNorm(8, 1e-6)
+        with torch.no_grad():
+            norm.weight.add_(0.3 * torch.randn(8))
+        x = (3 * torch.randn(2, 5, 8)).to(dtype).requires_grad_()
+        grad = torch.randn(2, 5, 8)
+        y = norm(x)
+        gx, gw = torch.autograd.grad(y, [x, norm.weight], grad)
+        # The formula the Function replaces, differentiated by autograd.
+        x_ref = x.detach().clone().requires_grad_()
+        w_ref = norm.weight.detach().clone().requires_grad_()
+        xf = x_ref.float()
+        y_ref = w_ref * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        gx_ref, gw_ref = torch.autograd.grad(y_ref, [x_ref, w_ref], grad)
+        assert y.dtype == y_ref.dtype == torch.float32 and torch.equal(y, y_ref)
+        assert gx.dtype == dtype and torch.allclose(gx.float(), gx_ref.float(), atol=1e-5, rtol=rtol), dtype
+        assert torch.allclose(gw, gw_ref, atol=1e-5, rtol=1e-5), dtype
+        assert gx.abs().max() > 0.1 and gw.abs().max() > 0.1  # not vacuous
+
+
+def _attention_inputs():
+    torch.manual_seed(3)
+    B, L = 2, 13
+    lengths = torch.tensor([13, 6])  # the second row is mostly padding
+    return torch.randn(B, L, 96), torch.randint(0, 120, (B, L)), lengths
+
+
+@pytest.mark.parametrize("pad_to", [1, 16])
+def test_flex_ttt_attention_matches_eager_outputs_and_gradients(monkeypatch, pad_to):
+    """Flex attention (unfused on CPU) over [k_0 | ... | k_j] == DraftAttention.attend, padded rows included."""
+    import eyrie.ttt_attention as ttt_attention
+    from eyrie.train import ttt_hidden
+
+    monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: pad_to * -(-length // pad_to))
+    aux, ids, lengths = _attention_inputs()
+    results = {}
+    for attention in ("eager", "flex"):
+        model = tiny_model(Vd=40).train()
+        aux_in = aux.clone().requires_grad_()
+        outs = ttt_hidden(model, aux_in, ids, lengths, 4, attention=attention)
+        assert all(o.shape == (2, 13, 32) for o in outs)
+        g = torch.Generator().manual_seed(0)
+        (sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # not the head: ttt_hidden stops before it
+        results[attention] = (outs, aux_in.grad, grads)
+    (eager_outs, eager_aux, eager_grads), (flex_outs, flex_aux, flex_grads) = results["eager"], results["flex"]
+    for j, (a, b) in enumerate(zip(eager_outs, flex_outs)):
+        assert torch.allclose(a, b, atol=1e-5), (j, (a - b).abs().max())
+    assert torch.allclose(eager_aux, flex_aux, atol=1e-5)
+    assert eager_grads.keys() == flex_grads.keys() and len(eager_grads) == 11  # fc and the whole midlayer
+    for name in eager_grads:
+        assert torch.allclose(eager_grads[name], flex_grads[name], atol=1e-4, rtol=1e-4), name
+
+
+def test_unfused_flex_attention_equals_the_dense_mask_path():
+    """The CPU path (mask_mod materialised + SDPA) is what flex_attention itself computes."""
+    from eyrie.ttt_attention import dense_ttt_attention, ttt_block_mask, unfused_flex_attention
+
+    torch.manual_seed(5)
+    B, h, kv_h, T, hd, blocks = 2, 4, 2, 9, 8, 3
+    lengths = torch.tensor([9, 4])
+    q = torch.randn(B, h, T, hd)
+    k, v = torch.randn(B, kv_h, blocks * T, hd), torch.randn(B, kv_h, blocks * T, hd)
+    block_mask = ttt_block_mask(lengths, T, blocks)
+    flex = unfused_flex_attention(q, k, v, block_mask, 0.3, True)
+    dense = dense_ttt_attention(q, k, v, block_mask.mask_mod, 0.3, True)
+    assert torch.allclose(flex, dense, atol=1e-5)
+    # The mask itself: row t of sample 1 sees keys 0..min(t, 3) of block 0 and key t of blocks 1, 2.
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask = create_mask(block_mask.mask_mod, B, 1, T, blocks * T, device="cpu")[1, 0]
+    for t in range(T):
+        seen = mask[t].nonzero().flatten().tolist()
+        assert seen == list(range(min(t, 3) + 1)) + [T + t, 2 * T + t], (t, seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention needs CUDA")
+def test_compiled_flex_matches_eager_on_cuda():
+    from eyrie.train import ttt_hidden
+
+    aux, ids, lengths = _attention_inputs()
+    results = {}
+    for attention in ("eager", "flex"):
+        model = tiny_model(Vd=40).train().cuda()
+        aux_in = aux.cuda().requires_grad_()
+        outs = ttt_hidden(model, aux_in, ids.cuda(), lengths.cuda(), 4, attention=attention)
+        sum(o.square().sum() for o in outs).backward()
+        results[attention] = (outs, aux_in.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for a, b in zip(results["eager"][0], results["flex"][0]):
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
+    assert torch.allclose(results["eager"][1], results["flex"][1], atol=1e-3, rtol=1e-3)
+    for name, grad in results["eager"][2].items():
+        assert torch.allclose(grad, results["flex"][2][name], atol=1e-3, rtol=1e-3), name
+
+
+def test_flex_selected_positions_equal_eager():
+    from eyrie.train import ttt_hidden
+
+    aux, ids, lengths = _attention_inputs()
+    model = tiny_model(Vd=40)
+    select = [torch.rand(2, 13, generator=torch.Generator().manual_seed(j)) > 0.5 for j in range(3)]
+    with torch.no_grad():
+        eager = ttt_hidden(model, aux, ids, lengths, 3, select=select)
+        flex = ttt_hidden(model, aux, ids, lengths, 3, select=select, attention="flex")
+    for a, b in zip(eager, flex):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+
+
+def test_resolve_attention():
+    from eyrie.ttt_attention import AttentionUnavailable, resolve_attention
+
+    assert resolve_attention("auto", "cpu") == "eager"
+    assert resolve_attention("eager", "cpu") == "eager"
+    assert resolve_attention("flex", "cpu") == "flex"
+    with pytest.raises(AttentionUnavailable, match="train.attention"):
+        resolve_attention("sdpa", "cpu")
+
+
+def _reference_soft_ce(x, weight, probs, rows, argmax):
+    logits = x @ weight.T
+    loss = -(probs[rows] * torch.log_softmax(logits, -1)).sum()
+    return loss, int((logits.argmax(-1) == argmax).sum())
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_chunked_soft_cross_entropy_equals_unchunked(dtype, tol):
+    from eyrie.draft_loss import chunked_soft_cross_entropy
+
+    torch.manual_seed(4)
+    n, H, Vd, N = 13, 6, 11, 20
+    x = torch.randn(n, H, dtype=dtype, requires_grad=True)
+    weight = torch.randn(Vd, H, dtype=dtype, requires_grad=True)
+    probs = torch.softmax(2 * torch.randn(N, Vd, dtype=torch.float64), -1).to(dtype)
+    rows = torch.randint(0, N, (n,))
+    argmax = (x.detach() @ weight.detach().T).argmax(-1)
+    argmax[::3] = -1  # some target argmaxes the drafter cannot hit
+    loss, correct = chunked_soft_cross_entropy(x, weight, probs, rows, argmax, chunk_rows=4)
+    gx, gw = torch.autograd.grad(2.5 * loss, [x, weight])
+    ref_loss, ref_correct = _reference_soft_ce(x, weight, probs, rows, argmax)
+    rgx, rgw = torch.autograd.grad(2.5 * ref_loss, [x, weight])
+    assert torch.allclose(loss.double(), ref_loss.double(), atol=tol, rtol=tol)
+    assert int(correct) == ref_correct == n - len(range(0, n, 3))
+    assert torch.allclose(gx, rgx, atol=tol, rtol=tol) and torch.allclose(gw, rgw, atol=tol, rtol=tol)
+
+
+def test_chunked_soft_cross_entropy_of_no_rows_gives_zero_gradients():
+    from eyrie.draft_loss import chunked_soft_cross_entropy
+
+    weight = torch.randn(5, 4, requires_grad=True)
+    loss, correct = chunked_soft_cross_entropy(torch.zeros(0, 4, requires_grad=True), weight, torch.rand(3, 5), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and int(correct) == 0 and torch.equal(weight.grad, torch.zeros(5, 4))
+
+
+def test_objective_with_chunked_loss_equals_the_reference_loss():
+    """TTTObjective (flex + chunked) gives the loss and gradients of ttt_forward + ttt_loss (eager, unchunked)."""
+    from eyrie.train import TTTObjective
+
+    aux, ids, lengths = _attention_inputs()
+    probs = torch.softmax(torch.randn(2 * 13, 40), -1)
+    row = torch.arange(2 * 13).view(2, 13)
+    arg = torch.randint(-1, 40, (2, 13))
+    mask = torch.rand(2, 13) > 0.2
+    targets = [step_targets(j, row, arg, mask, lengths) for j in range(3)]
+    counts = torch.stack([t[0].sum() for t in targets]).double()
+
+    model = tiny_model(Vd=40).train()
+    ref_loss, ref_stats = ttt_loss(ttt_forward(model, aux, ids, lengths, 3, select=[t[0] for t in targets]), targets, probs, 0.8)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model = tiny_model(Vd=40).train()
+    loss, stats = TTTObjective(model, 3, 0.8, attention="flex", chunked_loss=True)(aux, ids, lengths, targets, probs, counts)
+    loss.backward()
+    assert torch.allclose(loss, ref_loss, atol=1e-5)
+    for j, (loss_j, correct, count) in enumerate(ref_stats):
+        assert int(stats[j, 2]) == count and int(stats[j, 1]) == correct
+        assert abs(float(stats[j, 0]) / count - loss_j) < 1e-5
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path):
+    """torchrun, 2 gloo ranks, same global batches: the loss curve and final weights of one rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    V = 96
+    # Batches of 3, 2 and 1 rows (batch_tokens 96): uneven shares and a rank with a stand-in row.
+    samples = random_samples(6, [32, 30, 29, 40, 44, 90], V, seed=7)
+    inputs = tiny_setup(tmp_path, samples=samples, V=V)
+    train = {"epochs": 2, "batch_tokens": 96, "learning_rate": 3e-3, "warmup_ratio": 0.2, "attention": "eager"}
+    one = run(tmp_path, inputs, "one", train=train)
+
+    args = {
+        **inputs,
+        "out_dir": str(tmp_path / "two"),
+        "state_dir": str(tmp_path / "two.state"),
+        "drafter_cfg": {"ttt_steps": 3},
+        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train},
+        "template_sha256": TEMPLATE,
+        "target_fingerprint": FINGERPRINT,
+        "progress": False,
+    }
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.train", str(tmp_path / "args.json")],
+        capture_output=True, text=True, timeout=300, env=env,  # ~15 s alone; generous for a shared, loaded machine
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    log_one = json.loads((tmp_path / "one" / "training_log.json").read_text())
+    log_two = json.loads((tmp_path / "two" / "training_log.json").read_text())
+    assert one["steps"] == 6 and len(log_one) == len(log_two) == 6
+    for a, b in zip(log_one, log_two):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (a["step"], a["loss"], b["loss"])
+        assert a["positions_per_step"] == b["positions_per_step"]
+    w_one = load_file(str(tmp_path / "one" / "model.safetensors"))
+    w_two = load_file(str(tmp_path / "two" / "model.safetensors"))
+    for key in w_one:
+        assert torch.allclose(w_one[key].float(), w_two[key].float(), atol=1e-4), key
+    assert sorted(p.name for p in (tmp_path / "two.state").iterdir()) == sorted(p.name for p in (tmp_path / "one.state").iterdir())

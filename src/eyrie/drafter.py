@@ -161,6 +161,35 @@ def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape) -> N
         raise CheckpointError("drafter checkpoint does not match SGLang's EAGLE-3 layout: " + "; ".join(problems))
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), saving only x and rsqrt for backward.
+
+    Autograd on the plain formula keeps a float32 copy of x and the normalised x (three times the
+    memory of a bf16 x) for every call: 4 norms x 7 TTT steps of a training step.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) float32
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd  # recomputed: cheap next to keeping it
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_out * normed.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = (grad_out * weight).float()  # the .to(x.dtype) cast passes gradients through
+            grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -168,10 +197,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -212,16 +238,24 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
 
-    def project(self, x, cos, sin):
-        """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA."""
+    def project(self, x, cos, sin, repeat_kv: bool = True):
+        """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA,
+        or (B, kv_h, T, hd) with repeat_kv=False (for kernels that take GQA natively)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if not repeat_kv:
+            return q, k, v
         repeat = self.heads // self.kv_heads
         return q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj of the per-head outputs (B, h, T, hd)."""
+        B, h, T, hd = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(B, T, h * hd))
 
     def attend(self, q, blocks) -> torch.Tensor:
         """Softmax over several key blocks at once.
@@ -246,8 +280,7 @@ class DraftAttention(nn.Module):
             p = probs[..., start : start + width]
             out = out + (p * v if diagonal else p @ v)
             start += width
-        B, h, T, hd = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * hd))
+        return self.output(out)
 
 
 class DraftMLP(nn.Module):

@@ -39,6 +39,7 @@ import torch
 from eyrie.batching import batches_by_tokens
 from eyrie.drafter import CheckpointError, DrafterShape, Eagle3Drafter, check_checkpoint
 from eyrie.errors import EyrieError
+from eyrie.ttt_attention import resolve_attention
 
 # Mirrors schemas/config.schema.yaml (the pipeline passes validated, complete sections; tests and
 # callers of the library may pass partial ones).
@@ -54,6 +55,8 @@ TRAIN_DEFAULTS = {
     "dtype": "auto",
     "device": "auto",
     "log_every": 10,
+    "attention": "auto",
+    "recompute_mlp": False,
 }
 STATE_JSON = "state.json"
 STATE_FORMAT = "eyrie-train-state/1"
@@ -193,18 +196,18 @@ class HiddenCache:
                 out.append((s, a, n))
         return out, truncated, skipped
 
-    def batch(self, refs: list[tuple[int, int, int]], device) -> dict[str, torch.Tensor]:
-        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H], input_ids, loss_mask [B, L], lengths [B]."""
+    def batch(self, refs: list[tuple[int, int, int]], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype), input_ids, loss_mask [B, L], lengths [B]."""
         B, L = len(refs), max(n for _, _, n in refs)
         aux_w, final_w = self.widths[refs[0][0]]
-        aux = torch.zeros(B, L, aux_w, dtype=torch.float32)
-        final = torch.zeros(B, L, final_w, dtype=torch.float32)
+        aux = torch.zeros(B, L, aux_w, dtype=dtype)
+        final = torch.zeros(B, L, final_w, dtype=dtype)
         ids = torch.zeros(B, L, dtype=torch.long)
         mask = torch.zeros(B, L, dtype=torch.bool)
         for row, (s, a, n) in enumerate(refs):
             f = self._handles[s]
-            aux[row, :n] = f.get_slice("aux_hidden")[a : a + n].float()
-            final[row, :n] = f.get_slice("final_hidden")[a : a + n].float()
+            aux[row, :n] = f.get_slice("aux_hidden")[a : a + n].to(dtype)
+            final[row, :n] = f.get_slice("final_hidden")[a : a + n].to(dtype)
             ids[row, :n] = self.input_ids[s][a : a + n]
             mask[row, :n] = self.loss_mask[s][a : a + n]
         lengths = torch.tensor([n for _, _, n in refs], dtype=torch.long)
@@ -234,45 +237,121 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int, select=None) -> list[torch.Tensor]:
-    """Draft-vocabulary logits of each TTT step, aligned to the query position t.
+def ttt_hidden(
+    model: Eagle3Drafter,
+    aux: torch.Tensor,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    steps: int,
+    select=None,
+    *,
+    attention: str = "eager",
+    recompute_mlp: bool = False,
+) -> list[torch.Tensor]:
+    """The drafter's pre-norm output of each TTT step, aligned to the query position t.
 
     aux [B, L, 3H] and input_ids [B, L] are the sample's own (index t = token t); step j at
     position t reads token t+1+j at rotary position t+j (see the module docstring). Without
-    select, step j's logits are [B, L, Vd]; with select (one bool [B, L] mask per step) they are
-    [n_j, Vd] for the selected positions only: the draft head is the costliest matrix product and
-    most positions (prompt tokens) are never trained.
+    select, step j's output is [B, L, H]; with select (one bool [B, L] mask per step) it is
+    [n_j, H] for the selected positions only (the draft head, the costliest matrix product, is then
+    applied only where a loss is taken). attention: "eager" (DraftAttention.attend, the reference)
+    or "flex" (eyrie.ttt_attention). recompute_mlp: keep only the MLP's input for backward and
+    recompute the rest (about 230 MB less per step at the Llama-8B shape, one more MLP forward).
     """
     B, L = input_ids.shape
+    flex = attention == "flex"
+    if flex:  # pad to whole flex tiles; padded positions are past every length, never selected
+        from eyrie.ttt_attention import padded_length, ttt_block_mask
+
+        Lp = padded_length(L, input_ids.device)
+        aux, input_ids = _pad_time(aux, Lp), _pad_time(input_ids, Lp)
+        select = None if select is None else [_pad_time(m, Lp) for m in select]
+        # All masks now, while little memory is in use: building one materialises [Lp, (j+1) Lp] temporaries.
+        block_masks = [ttt_block_mask(lengths, Lp, j + 1) for j in range(steps)]
+    else:
+        Lp = L
     attn = model.midlayer.self_attn
-    pos = torch.arange(L, device=input_ids.device)
-    key_real = pos[None, :] < lengths[:, None]  # (B, Tk)
-    causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
-    mask0 = (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
+    pos = torch.arange(Lp, device=input_ids.device)
+    if not flex:
+        key_real = pos[None, :] < lengths[:, None]  # (B, Tk)
+        causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
+        mask0 = (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
+    compute_dtype = _autocast_dtype(aux.device)
     hidden = model.fc(aux)
-    blocks, logits_per_step = [], []
+    blocks, keys, values, outs = [], [], [], []
     for j in range(steps):
         tokens = shift_left(input_ids, 1 + j)
-        positions = (pos + j).unsqueeze(0).expand(B, L)
+        positions = (pos + j).unsqueeze(0).expand(B, Lp)
         x, cos, sin = model.layer_inputs(hidden, tokens, positions)
-        q, k, v = attn.project(x, cos, sin)
-        blocks.append((k, v, mask0 if j == 0 else None))
-        attended = attn.attend(q, blocks)
-        out = model.layer_output(hidden, attended)
-        # The head only where a loss is taken: test_training_forward_equals_chained_inference_decode ties this to decode.
-        logits_per_step.append(model.head(out if select is None else out[select[j]]))
+        if compute_dtype is not None:  # one cast shared by q, k, v (autocast would keep three copies)
+            x = x.to(compute_dtype)
+        if flex:
+            from eyrie.ttt_attention import flex_ttt_attention
+
+            q, k, v = attn.project(x, cos, sin, repeat_kv=False)
+            keys.append(k)
+            values.append(v)
+            attended = attn.output(flex_ttt_attention(q, keys, values, block_masks[j]))
+        else:
+            q, k, v = attn.project(x, cos, sin)
+            blocks.append((k, v, mask0 if j == 0 else None))
+            attended = attn.attend(q, blocks)
+        if recompute_mlp:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(model.layer_output, hidden, attended, use_reentrant=False)
+        else:
+            out = model.layer_output(hidden, attended)
+        outs.append(out[:, :L] if select is None else out[select[j]])
         hidden = out
-    return logits_per_step
+    return outs
+
+
+def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int, select=None, **options) -> list[torch.Tensor]:
+    """Draft-vocabulary logits of each TTT step: [B, L, Vd], or [n_j, Vd] with select (see ttt_hidden)."""
+    # test_training_forward_equals_chained_inference_decode ties this to decode.
+    return [model.head(out) for out in ttt_hidden(model, aux, input_ids, lengths, steps, select, **options)]
+
+
+def _pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [B, L, ...] zero-padded (False for bool) along dim 1 to length."""
+    if x.shape[1] == length:
+        return x
+    pad = x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], dim=1)
+
+
+def _autocast_dtype(device: torch.device):
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
 def _chunk_rows(vocab_size: int, device) -> int:
-    budget = (1 << 28) if torch.device(device).type == "cuda" else (1 << 24)  # elements of one [rows, V] chunk
+    budget = (1 << 27) if torch.device(device).type == "cuda" else (1 << 24)  # elements of one [rows, V] chunk
     return max(1, budget // vocab_size)
+
+
+_MM_FLOAT32_OUT = {"works": None}  # whether torch.mm(..., out_dtype=float32) runs on this torch/GPU
+
+
+def _logits_float32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T as float32, in weight's dtype: a bf16 head is multiplied in bf16 (fp32 accumulate)
+    and, where torch supports it on CUDA, written out in fp32 without rounding the logits to bf16."""
+    rows = rows.to(weight.dtype)
+    if weight.dtype != torch.float32 and weight.is_cuda and _MM_FLOAT32_OUT["works"] is not False:
+        try:
+            logits = torch.mm(rows, weight.T, out_dtype=torch.float32)
+            _MM_FLOAT32_OUT["works"] = True
+            return logits
+        except (TypeError, RuntimeError, NotImplementedError):  # older torch or no kernel: bf16 output instead
+            _MM_FLOAT32_OUT["works"] = False
+    return (rows @ weight.T).float()
 
 
 @torch.no_grad()
 def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk_rows: int | None = None):
     """The target's view at the needed positions s of final [B, L, H].
+
+    lm_head [V, H] is used in its own dtype (bf16 on CUDA: no float32 copy of a 128256 x 4096 head).
 
     Returns (probs [N, Vd] float32: softmax of the target logits gathered at draft_ids, i.e. the
     distribution renormalised over the draft vocab, one row per needed position; row [B, L]: the
@@ -287,9 +366,8 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
     chunk_rows = chunk_rows or _chunk_rows(lm_head.shape[0], final.device)
     probs = torch.empty(N, Vd, dtype=torch.float32, device=final.device)
     argmax = torch.empty(N, dtype=torch.long, device=final.device)
-    weight = lm_head.float()
     for a in range(0, N, chunk_rows):
-        logits = rows[a : a + chunk_rows].float() @ weight.T  # [c, V]
+        logits = _logits_float32(rows[a : a + chunk_rows], lm_head)  # [c, V]
         argmax[a : a + chunk_rows] = logits.argmax(-1)
         probs[a : a + chunk_rows] = torch.softmax(logits[:, draft_ids], dim=-1)
         del logits
@@ -343,6 +421,83 @@ def ttt_loss(logits_per_step, targets, target_probs, decay: float):
     if not torch.is_tensor(total):
         total = sum(logits.sum() for logits in logits_per_step) * 0.0  # keeps backward() valid for an all-masked batch
     return total, stats
+
+
+def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, target_probs, chunked: bool = True):
+    """(soft cross-entropy summed over step j's trained positions, #argmax hits); out = ttt_hidden's [n_j, H].
+
+    chunked: eyrie.draft_loss (never keeps [n_j, Vd] logits for backward); otherwise the plain
+    formula of ttt_loss (the reference).
+    """
+    if chunked:
+        from eyrie.draft_loss import chunked_soft_cross_entropy
+
+        return chunked_soft_cross_entropy(model.norm(out), model.lm_head.weight, target_probs, row[valid], arg[valid])
+    logits = model.head(out)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(target_probs[row[valid]] * logp).sum(), (logits.argmax(-1) == arg[valid]).sum()
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter's training loss as one module forward, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True, recompute_mlp: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        self.steps, self.decay = steps, decay
+        self.attention, self.chunked_loss, self.recompute_mlp = attention, chunked_loss, recompute_mlp
+
+    def forward(self, aux, input_ids, lengths, targets, target_probs, counts, weight: float = 1.0):
+        """(loss, stats [steps, 3] float64: per step loss sum, correct, count -- of these rows).
+
+        loss = weight * sum_j decay^j * (this rank's loss sum of step j) / counts[j], counts being
+        the trained positions of step j over all ranks: DDP averages gradients over ranks, so
+        weight = world size makes the update that of the whole batch on one rank.
+        """
+        model = self.drafter
+        outs = ttt_hidden(model, aux, input_ids, lengths, self.steps, select=[t[0] for t in targets],
+                          attention=self.attention, recompute_mlp=self.recompute_mlp)
+        loss, stats = 0.0, []
+        for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
+            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss)
+            loss = loss + (self.decay**j) * loss_sum / counts[j].clamp(min=1).to(loss_sum.dtype)
+            stats.append(torch.stack([loss_sum.detach().double(), correct.double(), torch.tensor(float(out.shape[0]), dtype=torch.float64, device=out.device)]))
+        return loss * weight, torch.stack(stats)
+
+
+def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool) -> dict:
+    """One optimizer step on this rank's rows of the step's batch; the same code on one rank or many.
+
+    objective: a TTTObjective, or DistributedDataParallel around one (then batch["weight"] is the
+    world size, 0 for a rank without rows that runs a stand-in row to keep the collectives going).
+    Returns the step's figures over all ranks: loss (sum_j decay^j * mean loss of step j), stats
+    [(loss_j, correct_j, count_j)] and tokens.
+    """
+    inner = objective.module if isinstance(objective, torch.nn.parallel.DistributedDataParallel) else objective
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    steps, decay = inner.steps, inner.decay
+    weight = float(batch.get("weight", 1.0))
+    lengths, loss_mask = batch["lengths"], batch["loss_mask"]
+    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
+    targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(steps)]
+    counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
+    if distributed:
+        torch.distributed.all_reduce(counts)
+    device_type = batch["aux"].device.type
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
+        loss, stats = objective(batch["aux"], batch["input_ids"], lengths, targets, target_probs, counts, weight)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in inner.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    totals = torch.cat([stats.flatten() * (weight != 0), torch.tensor([float(batch["tokens"]) * (weight != 0)], dtype=torch.float64, device=stats.device)])
+    if distributed:
+        torch.distributed.all_reduce(totals)
+    totals = totals.tolist()  # the step's one host sync
+    per_step = [(totals[3 * j], int(totals[3 * j + 1]), int(totals[3 * j + 2])) for j in range(steps)]
+    means = [(loss_sum / count if count else 0.0, correct, count) for loss_sum, correct, count in per_step]
+    return {"loss": sum(decay**j * m[0] for j, m in enumerate(means) if m[2]), "stats": means, "tokens": int(totals[-1])}
 
 
 # --------------------------------------------------------------------------- schedule and state
@@ -603,6 +758,74 @@ def _final_metrics(log: list[dict], steps_per_epoch: int, ttt_steps: int) -> dic
     return {"accuracy_per_step": acc, "loss_per_step": loss, "loss": sum(e["loss"] for e in window) / len(window), "over_steps": [window[0]["step"], last]}
 
 
+# --------------------------------------------------------------------------- optimizer and ranks
+
+
+def make_optimizer(model: Eagle3Drafter, learning_rate: float, weight_decay: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW over the float32 master weights (decay on matrices only); fused kernels on CUDA unless fused=False."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if fused is None:
+        fused = all(p.is_cuda for p in params)  # one kernel per group instead of several per tensor
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
+
+
+def rank_share(refs: list, rank: int, world: int) -> tuple[list, float]:
+    """This rank's rows of a step's batch and its loss weight (see TTTObjective.forward).
+
+    Rows are dealt round-robin (the batch is sorted by length, so ranks get similar lengths).
+    A rank left without rows trains a stand-in row at weight 0: DDP needs every rank's backward.
+    """
+    if world == 1:
+        return refs, 1.0
+    mine = refs[rank::world]
+    return (mine, float(world)) if mine else (refs[:1], 0.0)
+
+
+def data_parallel(objective: TTTObjective, device) -> torch.nn.parallel.DistributedDataParallel:
+    """DDP around the objective; the frozen buffers (1 GB of embeddings) are not re-broadcast every step."""
+    device = torch.device(device)
+    return torch.nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+
+
+class _Distributed:
+    """This process's place in a torchrun launch (see train_drafter)."""
+
+    def __init__(self, rank: int, world: int, device: str, owns_group: bool):
+        self.rank, self.world, self.device, self.owns_group = rank, world, device, owns_group
+
+    def close(self) -> None:
+        if self.owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _distributed_context(device_setting: str) -> _Distributed | None:
+    """None for a single process; otherwise join the torchrun group (NCCL on CUDA, gloo on CPU)."""
+    from eyrie.model import resolve_device
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    if "RANK" not in os.environ:
+        raise TrainingInputError(f"WORLD_SIZE={world} but RANK is not set; launch with torchrun (python -m torch.distributed.run)")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_setting)
+    if device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise TrainingInputError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices; use --nproc_per_node <= the GPU count")
+        torch.cuda.set_device(local_rank)
+        device, backend = f"cuda:{local_rank}", "nccl"
+    else:
+        backend = "gloo"
+    owns_group = not torch.distributed.is_initialized()
+    if owns_group:
+        torch.distributed.init_process_group(backend)
+    return _Distributed(rank, world, device, owns_group)
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -627,6 +850,16 @@ def train_drafter(
     Resumes from state_dir when a state of the same inputs and settings is there; saves one every
     save_every_steps steps or save_every_seconds seconds and at the end of each epoch.
     on_step(step) is called after each completed optimizer step (tests use it to interrupt).
+
+    Several GPUs (data parallel): launch under torchrun, which sets WORLD_SIZE, RANK, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT; train_drafter sees WORLD_SIZE > 1, joins the group (NCCL on CUDA,
+    one GPU per LOCAL_RANK; gloo on CPU) and wraps the model in DistributedDataParallel. Each
+    step's batch (batch_tokens padded tokens, as on one GPU) is dealt out by rows, the loss is
+    normalised over all ranks' positions, so the run follows the one-rank loss curve; rank 0 alone
+    writes state_dir, out_dir and the log. From a shell (or a Snakemake ``shell:`` rule), with the
+    keyword arguments of this function in a JSON file:
+
+        NCCL_NVLS_ENABLE=0 python -m torch.distributed.run --standalone --nproc_per_node 2 -m eyrie.train args.json
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -661,9 +894,16 @@ def train_drafter(
     Vd = int(d2t.numel())
     shape = DrafterShape.from_target(target_config, Vd, aux_ids)
 
-    device = resolve_device(train_cfg["device"])
+    dist = _distributed_context(train_cfg["device"])
+    device = dist.device if dist else resolve_device(train_cfg["device"])
+    rank, world = (dist.rank, dist.world) if dist else (0, 1)
+    progress = progress and rank == 0
     dtype = train_cfg["dtype"]
-    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device == "cuda")
+    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and torch.device(device).type == "cuda")
+    try:
+        attention = resolve_attention(str(train_cfg["attention"]), device)
+    except EyrieError as exc:
+        raise TrainingInputError(str(exc)) from None
     weight_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
 
     batch_tokens = int(train_cfg["batch_tokens"])
@@ -681,23 +921,20 @@ def train_drafter(
     head = load_target_head(target_dir, target_config)
     draft_ids = torch.arange(Vd, dtype=torch.int64) + d2t
     torch.manual_seed(seed)
-    model = Eagle3Drafter(shape, head["embed"], d2t, t2d)
+    # Under bf16 autocast the frozen tensors live in bf16 (2 GB less each at a 128K x 4096 vocab);
+    # the trained weights stay float32 masters for AdamW.
+    frozen_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model = Eagle3Drafter(shape, head["embed"].to(frozen_dtype), d2t, t2d)
     with torch.no_grad():
         model.lm_head.weight.copy_(head["lm_head"][draft_ids])
         if head["norm"] is not None:
             model.norm.weight.copy_(head["norm"])
-    target_lm_head = head["lm_head"].to(device)
+    target_lm_head = head["lm_head"].to(device=device, dtype=frozen_dtype)
     del head
     model.to(device)
     draft_ids_dev, t2d_dev = draft_ids.to(device), t2d.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay_params = [p for p in params if p.dim() >= 2]
-    other_params = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay_params, "weight_decay": float(train_cfg["weight_decay"])}, {"params": other_params, "weight_decay": 0.0}],
-        lr=float(train_cfg["learning_rate"]),
-        betas=(0.9, 0.95),
-    )
+    optimizer = make_optimizer(model, float(train_cfg["learning_rate"]), float(train_cfg["weight_decay"]))
+    objective = TTTObjective(model, ttt_steps, decay, attention=attention, recompute_mlp=bool(train_cfg["recompute_mlp"]))
 
     # ---- resume
     state_path = Path(state_dir)
@@ -711,11 +948,14 @@ def train_drafter(
         start_step, log, tokens_done, seconds_done, window = 0, [], 0, 0.0, _new_window(ttt_steps)
     resumed_from = start_step
 
+    if dist:  # after resuming: DDP starts every rank from rank 0's weights
+        objective = data_parallel(objective, device)
     _say(
         progress,
         f"train: {len(samples)} samples in {steps_per_epoch} batches of <= {batch_tokens} tokens, {total_steps} steps "
         f"({train_cfg['epochs']} epochs), {ttt_steps} TTT steps, draft vocab {Vd}, device {device}"
-        f"{', bf16 autocast' if use_bf16 else ', fp32'}"
+        f"{', bf16 autocast' if use_bf16 else ', fp32'}, {attention} attention"
+        + (f", {world} ranks" if world > 1 else "")
         + (f"; {truncated} samples truncated to {batch_tokens} tokens" if truncated else "")
         + (f"; {skipped} samples skipped (nothing to train)" if skipped else ""),
     )
@@ -731,32 +971,25 @@ def train_drafter(
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         epoch, index = divmod(step, steps_per_epoch)
-        batch = cache.batch(batches[_epoch_order(seed, epoch, steps_per_epoch)[index]], device)
+        refs, weight = rank_share(batches[_epoch_order(seed, epoch, steps_per_epoch)[index]], rank, world)
+        batch = cache.batch(refs, device, dtype=frozen_dtype)
+        batch["weight"] = weight
         lr = learning_rate(step, total_steps, float(train_cfg["learning_rate"]), float(train_cfg["warmup_ratio"]))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        lengths, loss_mask = batch["lengths"], batch["loss_mask"]
-        target_probs, target_row, target_arg = target_distribution(
-            batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids_dev, t2d_dev
+        result = train_step(
+            objective, optimizer, batch, target_lm_head=target_lm_head, draft_ids=draft_ids_dev, t2d=t2d_dev,
+            max_grad_norm=float(train_cfg["max_grad_norm"]), use_bf16=use_bf16,
         )
-        targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(ttt_steps)]
-        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=use_bf16):
-            logits = ttt_forward(model, batch["aux"], batch["input_ids"], lengths, ttt_steps, select=[t[0] for t in targets])
-        loss, stats = ttt_loss(logits, targets, target_probs, decay)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, float(train_cfg["max_grad_norm"]))
-        optimizer.step()
-        loss_value = float(loss.detach())
-        del logits, loss, target_probs, targets
+        del batch
         elapsed = time.perf_counter() - t0
-        tokens_done += batch["tokens"]
+        tokens_done += result["tokens"]
         seconds_done += elapsed
-        window["total"] += loss_value
+        window["total"] += result["loss"]
         window["n"] += 1
-        window["tokens"] += batch["tokens"]
+        window["tokens"] += result["tokens"]
         window["seconds"] += elapsed
-        for j, (loss_j, correct, count) in enumerate(stats):
+        for j, (loss_j, correct, count) in enumerate(result["stats"]):
             if count:
                 window["loss"][j] += loss_j
                 window["steps_with"][j] += 1
@@ -782,7 +1015,7 @@ def train_drafter(
             )
             window = _new_window(ttt_steps)
         epoch_end = done % steps_per_epoch == 0 or done == total_steps
-        if epoch_end or done % save_every_steps == 0 or time.perf_counter() - last_save >= save_every_seconds:
+        if rank == 0 and (epoch_end or done % save_every_steps == 0 or time.perf_counter() - last_save >= save_every_seconds):
             save(done)
             last_save = time.perf_counter()
         if on_step is not None:
@@ -805,7 +1038,7 @@ def train_drafter(
         "draft_vocab_size": Vd,
         "ttt_steps": ttt_steps,
     }
-    tensors = checkpoint_tensors(model, weight_dtype)
+    tensors = checkpoint_tensors(model, weight_dtype) if rank == 0 else None
     config = shape.sglang_config(torch_dtype=str(weight_dtype).removeprefix("torch."))
     config["eyrie"] = {
         "template_sha256": template_sha256,
@@ -815,6 +1048,23 @@ def train_drafter(
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
         "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second")}},
     }
-    _write_output(Path(out_dir), config, tensors, log)
-    _say(progress, f"train: wrote {out_dir} ({total_steps} steps, {tokens_done} tokens, {summary['tokens_per_second']:.0f} tok/s)")
+    if rank == 0:
+        _write_output(Path(out_dir), config, tensors, log)
+        _say(progress, f"train: wrote {out_dir} ({total_steps} steps, {tokens_done} tokens, {summary['tokens_per_second']:.0f} tok/s)")
+    if dist:
+        dist.close()
     return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eyrie.train ARGS.json`: train_drafter(**ARGS), the entry point for torchrun launches."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m eyrie.train ARGS.json  (keyword arguments of eyrie.train.train_drafter)", file=sys.stderr)
+        return 2
+    train_drafter(**json.loads(Path(argv[0]).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

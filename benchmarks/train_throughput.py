@@ -1,0 +1,214 @@
+"""Drafter training throughput and peak memory: the old path vs flex attention + chunked loss.
+
+Runs eyrie.train.train_step (the code train_drafter runs each step) on random features at the
+Llama-3.1-8B drafter shape (H 4096, 32/8 heads, head_dim 128, intermediate 14336, draft vocab
+32000, target vocab 128256), L=2048, batch 1, 7 TTT steps, bf16 autocast, side by side in one
+process:
+
+    baseline      eager attention + unchunked loss, float32 frozen embeddings and target head,
+                  foreach AdamW (the code before this change; the lean RMSNorm backward is shared)
+    flex+chunked  flex attention (compiled) + chunked loss, bf16 frozen tensors, fused AdamW
+    +recompute    the same with train.recompute_mlp
+
+Each: tokens/s (median step time after warm-up, compile included in warm-up) and peak memory
+(torch.cuda.max_memory_allocated, reset between variants; model + optimizer + step), then ratios
+against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex attention).
+
+    python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
+    python benchmarks/train_throughput.py --small --out /tmp/tt.json             # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from eyrie.drafter import DrafterShape, Eagle3Drafter
+from eyrie.train import TTTObjective, make_optimizer, train_step
+
+SPECFORGE_TOKENS_PER_S = (16000.0, 19000.0)
+SPECFORGE_PEAK_GIB = 13.0
+LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000, vocab=128256)
+SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=200, vocab=500)
+VARIANTS = {
+    "baseline": dict(attention="eager", chunked_loss=False, recompute_mlp=False, frozen_bf16=False, fused_adam=False),
+    "flex+chunked": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None),
+    "flex+chunked+recompute": dict(attention="flex", chunked_loss=True, recompute_mlp=True, frozen_bf16=True, fused_adam=None),
+}
+
+
+def drafter_shape(dims: dict) -> DrafterShape:
+    return DrafterShape(
+        hidden_size=dims["hidden"], intermediate_size=dims["intermediate"], num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], rms_norm_eps=1e-5, vocab_size=dims["vocab"],
+        draft_vocab_size=dims["draft_vocab"], target_hidden_size=dims["hidden"], max_position_embeddings=131072,
+        aux_layer_ids=[1, 15, 28], rope_theta=500000.0,
+    )
+
+
+def random_vocab(dims: dict, seed: int):
+    """(draft_ids sorted [Vd], d2t, t2d) of a random draft vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(dims["vocab"], generator=g)[: dims["draft_vocab"]].sort().values
+    t2d = torch.zeros(dims["vocab"], dtype=torch.bool)
+    t2d[draft_ids] = True
+    return draft_ids, draft_ids - torch.arange(draft_ids.numel()), t2d
+
+
+def random_target_head(dims: dict, device, dtype, seed: int) -> torch.Tensor:
+    """Rows of norm ~1, as in real LM heads: logits of unit-RMS states come out O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    head = torch.randn(dims["vocab"], dims["hidden"], generator=g, device=device, dtype=torch.float32) / dims["hidden"] ** 0.5
+    return head.to(dtype)
+
+
+def random_batch(dims: dict, rows: int, length: int, target_head, draft_ids, device, dtype, seed: int) -> dict:
+    """Random aux states and tokens; final states point at draft-vocab tokens so most positions are trained
+    (as with real data, where the draft vocab covers most target argmaxes)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    H = dims["hidden"]
+    pick = torch.randint(0, draft_ids.numel(), (rows, length), generator=g, device=device)
+    token_ids = draft_ids.to(device)[pick]  # (B, L) target ids inside the draft vocab
+    # Unit-RMS states whose logit for the chosen token is ~10 (the other 128K logits ~N(0, 1)).
+    row = target_head[token_ids].float()
+    final = 10.0 * row / row.norm(dim=-1, keepdim=True) ** 2 + torch.randn(rows, length, H, generator=g, device=device)
+    aux = torch.randn(rows, length, 3 * H, generator=g, device=device)
+    loss_mask = torch.ones(rows, length, dtype=torch.bool, device=device)
+    loss_mask[:, :2] = False
+    return {
+        "aux": aux.to(dtype), "final": final.to(dtype), "input_ids": token_ids, "loss_mask": loss_mask,
+        "lengths": torch.full((rows,), length, dtype=torch.long, device=device), "tokens": rows * length,
+    }
+
+
+def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
+    """(objective, optimizer, target head, draft ids, t2d) on device, as train_drafter sets them up."""
+    cuda = torch.device(device).type == "cuda"
+    frozen = torch.bfloat16 if (variant["frozen_bf16"] and cuda) else torch.float32
+    draft_ids, d2t, t2d = random_vocab(dims, seed)
+    target_head = random_target_head(dims, device, frozen, seed)
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the device: 424M parameters at the 8B shape
+        model = Eagle3Drafter(drafter_shape(dims), torch.empty(0, dims["hidden"]), d2t, t2d)
+    model.embed_weight = torch.randn(dims["vocab"], dims["hidden"], device=device, dtype=frozen) * 0.02  # frozen, bf16 or fp32 as train_drafter
+    with torch.no_grad():
+        model.lm_head.weight.copy_(target_head[draft_ids.to(device)].float())
+    optimizer = make_optimizer(model, 1e-4, 0.0, fused=variant["fused_adam"])
+    objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"], recompute_mlp=variant["recompute_mlp"])
+    return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
+
+
+def _compiled_graphs() -> int | None:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # private counters: absent or renamed in some torch versions
+        return None
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    objective, optimizer, target_head, draft_ids, t2d = build(dims, variant, device, args.ttt_steps, args.seed)
+    data_dtype = torch.bfloat16 if cuda else torch.float32
+    batch = random_batch(dims, args.batch, args.seq_len, target_head, draft_ids, device, data_dtype, args.seed + 1)
+    times, losses = [], []
+    deadline = time.perf_counter() + args.max_seconds
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        result = train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d, max_grad_norm=0.5, use_bf16=cuda)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        losses.append(result["loss"])
+        if i >= args.warmup:
+            times.append(elapsed)
+        print(f"  {name} step {i}{' (warm-up)' if i < args.warmup else ''}: {elapsed * 1000:.0f} ms, loss {result['loss']:.4f}, "
+              f"compiled graphs {_compiled_graphs()}", flush=True)
+        if i >= args.warmup and time.perf_counter() > deadline:
+            print(f"  {name}: time cap {args.max_seconds}s reached after {len(times)} measured steps", flush=True)
+            break
+    step_s = statistics.median(times)
+    out = {
+        "tokens_per_second": batch["tokens"] / step_s,
+        "median_step_s": step_s,
+        "step_times_s": times,
+        "losses": losses,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "positions_trained_step0": result["stats"][0][2],
+        "dynamo_unique_graphs": _compiled_graphs(),  # cumulative; growing every step would mean flex recompiles
+    }
+    del objective, optimizer, target_head, batch
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke test")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; 64 with --small)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (flex compiles here)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--max-seconds", type=float, default=45.0, help="stop timing a variant after this long")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="JSON file for all figures")
+    args = parser.parse_args()
+    dims = SMALL if args.small else LLAMA_8B
+    args.seq_len = args.seq_len or (64 if args.small else 2048)
+    device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, device {device_name}, shape {dims}, L={args.seq_len}, batch {args.batch}, TTT steps {args.ttt_steps}", flush=True)
+
+    results = {}
+    for name in args.variants.split(","):
+        print(f"== {name}", flush=True)
+        try:
+            results[name] = measure(name, VARIANTS[name], args, dims, device)
+        except Exception as exc:  # one failing variant must not cost the others
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        gc.collect()  # outside the except: the traceback's frames (and their GPU tensors) are gone by now
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    report = {"torch": torch.__version__, "device": device_name, "shape": dims, "seq_len": args.seq_len, "batch": args.batch,
+              "ttt_steps": args.ttt_steps, "specforge": {"tokens_per_second": SPECFORGE_TOKENS_PER_S, "peak_gib": SPECFORGE_PEAK_GIB}, "variants": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+    base = results.get("baseline", {})
+    print(f"\n{'variant':<24} {'tok/s':>9} {'peak GiB':>9} {'x base':>7} {'x SF16K':>8} {'x SF19K':>8} {'GiB/13':>7}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<24} FAILED: {r['error'][:120]}")
+            continue
+        tps, peak = r["tokens_per_second"], r["peak_gib"]
+        vs_base = f"{tps / base['tokens_per_second']:.2f}" if "tokens_per_second" in base else "-"
+        peak_s = f"{peak:.2f}" if peak is not None else "-"
+        mem = f"{peak / SPECFORGE_PEAK_GIB:.2f}" if peak is not None else "-"
+        print(f"{name:<24} {tps:>9.0f} {peak_s:>9} {vs_base:>7} {tps / SPECFORGE_TOKENS_PER_S[0]:>8.2f} {tps / SPECFORGE_TOKENS_PER_S[1]:>8.2f} {mem:>7}")
+    print(f"(SpecForge offline, 1 H200, flex: {SPECFORGE_TOKENS_PER_S[0]:.0f}-{SPECFORGE_TOKENS_PER_S[1]:.0f} tok/s, {SPECFORGE_PEAK_GIB} GiB; x > 1 = faster; GiB/13 < 1 = leaner)")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

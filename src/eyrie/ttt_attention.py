@@ -1,0 +1,127 @@
+"""Fast training-time-test (TTT) attention: flex attention over the concatenated key blocks.
+
+At TTT step j the queries (positions t of step j) attend to the keys [k_0 | k_1 | ... | k_j]:
+block 0 (the step-0 keys) causally and only within the sample's length, block i >= 1 on its
+diagonal only (key position == query position). ``DraftAttention.attend`` computes the same
+softmax eagerly (fp32 scores of every block, repeated KV heads) and stays the reference and the
+CPU path; here flex attention skips the masked tiles and never materialises the scores.
+
+On CUDA flex_attention runs compiled (torch.compile; the mask and lengths are tensors so a new
+batch does not recompile, and the first shape change turns on dynamic shapes). Elsewhere (no flex
+backward off CUDA) the same mask_mod is materialised and fed to scaled_dot_product_attention:
+only for tests and CPU smoke runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+
+from eyrie.errors import EyrieError
+
+ATTENTION_CHOICES = ("auto", "flex", "eager")
+FLEX_BLOCK = 128  # flex attention's tile; CUDA sequence lengths are padded to a multiple of it
+
+
+class AttentionUnavailable(EyrieError):
+    """The requested TTT attention implementation cannot run here."""
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention(setting: str, device) -> str:
+    """'flex' or 'eager' for train.attention (auto: flex on CUDA when torch has it, eager elsewhere)."""
+    if setting not in ATTENTION_CHOICES:
+        raise AttentionUnavailable(f"train.attention is {setting!r}; use one of {', '.join(ATTENTION_CHOICES)}")
+    if setting == "eager":
+        return "eager"
+    if setting == "flex":
+        if not flex_available():
+            raise AttentionUnavailable(
+                f"train.attention is 'flex' but torch {torch.__version__} has no torch.nn.attention.flex_attention; "
+                "use 'eager' or torch >= 2.5"
+            )
+        return "flex"
+    return "flex" if torch.device(device).type == "cuda" and flex_available() else "eager"
+
+
+def padded_length(length: int, device) -> int:
+    """L rounded up to the flex tile on CUDA (fewer distinct shapes, whole tiles); unchanged elsewhere."""
+    if torch.device(device).type != "cuda":
+        return length
+    return FLEX_BLOCK * math.ceil(length / FLEX_BLOCK)
+
+
+def _ttt_mask_mod(lengths: torch.Tensor, key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
+    """mask_mod of one TTT step; every varying value is a tensor, so compiled code is reused."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        position = key_position[kv_idx]
+        causal = (position <= q_idx) & (position < lengths[b])
+        diagonal = position == q_idx
+        return (key_is_diagonal[kv_idx] & diagonal) | (~key_is_diagonal[kv_idx] & causal)
+
+    return mask_mod
+
+
+def ttt_block_mask(lengths: torch.Tensor, length: int, blocks: int):
+    """BlockMask for queries [0, length) over `blocks` concatenated key blocks of `length` each."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = lengths.device
+    key_position = torch.arange(length, device=device).repeat(blocks)  # (blocks * length,)
+    key_is_diagonal = torch.arange(blocks * length, device=device) >= length
+    mask_mod = _ttt_mask_mod(lengths, key_position, key_is_diagonal)
+    return create_block_mask(mask_mod, lengths.shape[0], None, length, blocks * length, device=device)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask) -> torch.Tensor:
+    """Per-head attention outputs (B, h, T, hd) of q (B, h, T, hd) over the key blocks (each (B, kv_h, T, hd)).
+
+    CUDA: compiled flex attention. Elsewhere flex attention has no backward, so the same mask_mod
+    is evaluated densely and fed to scaled_dot_product_attention (tests, CPU smoke runs).
+    q, k, v are brought to v's dtype: under bf16 autocast the rotary leaves q, k in float32.
+    """
+    dtype = values[0].dtype
+    k = torch.cat(keys, dim=2).to(dtype)  # (B, kv_h, blocks * T, hd)
+    v = torch.cat(values, dim=2)
+    q = q.to(dtype)
+    enable_gqa = q.shape[1] != k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.is_cuda:
+        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    return dense_ttt_attention(q, k, v, block_mask.mask_mod, scale, enable_gqa)
+
+
+def dense_ttt_attention(q, k, v, mask_mod, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """flex attention's result, computed with the mask_mod materialised: O(T x blocks*T) memory."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    B, _, T, _ = q.shape
+    mask = create_mask(mask_mod, B, 1, T, k.shape[2], device=q.device)  # (B, 1, T, blocks * T)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def unfused_flex_attention(q, k, v, block_mask, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention itself without torch.compile (forward only off CUDA): checks dense_ttt_attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():  # unfused is intended here, not a mistake to warn about
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
