@@ -143,6 +143,9 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         if i >= args.warmup and time.perf_counter() > deadline:
             print(f"  {name}: time cap {args.max_seconds}s reached after {len(times)} measured steps", flush=True)
             break
+    if cuda and name in args.profile.split(","):
+        profile_steps(name, lambda: train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d,
+                                               max_grad_norm=0.5, use_bf16=cuda))
     step_s = statistics.median(times)
     out = {
         "tokens_per_second": batch["tokens"] / step_s,
@@ -160,6 +163,20 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
     return out
 
 
+def profile_steps(name: str, step, count: int = 2) -> None:
+    """Where one step's time goes: the top kernels by GPU time and the top host ops by their own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(count):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(f"== profile {name} ({count} steps)")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke test")
@@ -171,6 +188,7 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=45.0, help="stop timing a variant after this long")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     args = parser.parse_args()
     dims = SMALL if args.small else LLAMA_8B

@@ -120,10 +120,11 @@ class TransformersEngine:
         if settings["temperature"] > 0:
             # The manager samples with its own generator: seed it from ours, which the caller seeded per batch.
             cb_config.seed = int(torch.randint(0, 2**31 - 1, ()))
-        with torch.inference_mode():
-            outputs = self.model.generate_batch(
-                [list(p) for p in prompts], generation_config=self._generation_config(settings), continuous_batching_config=cb_config
-            )
+        # No inference_mode here: the manager's own thread updates tensors made in this one, which inference
+        # tensors forbid (seen on CUDA with transformers 5.17); generate_batch disables gradients itself.
+        outputs = self.model.generate_batch(
+            [list(p) for p in prompts], generation_config=self._generation_config(settings), continuous_batching_config=cb_config
+        )
         results = list(outputs.values())
         failed = [r for r in results if r.error is not None]
         if len(results) != len(prompts) or failed:

@@ -266,8 +266,8 @@ def ttt_hidden(
         Lp = padded_length(L, input_ids.device)
         aux, input_ids = _pad_time(aux, Lp), _pad_time(input_ids, Lp)
         select = None if select is None else [_pad_time(m, Lp) for m in select]
-        # All masks now, while little memory is in use: building one materialises [Lp, (j+1) Lp] temporaries.
-        block_masks = [ttt_block_mask(lengths, Lp, j + 1) for j in range(steps)]
+        # Built once per padded length (cached), while little memory is in use.
+        block_masks = [ttt_block_mask(Lp, j + 1, str(input_ids.device)) for j in range(steps)]
     else:
         Lp = L
     attn = model.midlayer.self_attn
@@ -901,7 +901,7 @@ def train_drafter(
     dtype = train_cfg["dtype"]
     use_bf16 = dtype == "bfloat16" or (dtype == "auto" and torch.device(device).type == "cuda")
     try:
-        attention = resolve_attention(str(train_cfg["attention"]), device)
+        attention = resolve_attention(str(train_cfg["attention"]), device, shape.head_dim)
     except EyrieError as exc:
         raise TrainingInputError(str(exc)) from None
     weight_dtype = torch.float32 if dtype == "float32" else torch.bfloat16

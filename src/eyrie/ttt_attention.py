@@ -38,8 +38,11 @@ def flex_available() -> bool:
     return True
 
 
-def resolve_attention(setting: str, device) -> str:
-    """'flex' or 'eager' for train.attention (auto: flex on CUDA when torch has it, eager elsewhere)."""
+FLEX_MIN_HEAD_DIM = 16  # compiled flex attention's kernels need head_dim >= 16
+
+
+def resolve_attention(setting: str, device, head_dim: int = FLEX_MIN_HEAD_DIM) -> str:
+    """'flex' or 'eager' for train.attention (auto: flex on CUDA when torch has it and head_dim allows, eager elsewhere)."""
     if setting not in ATTENTION_CHOICES:
         raise AttentionUnavailable(f"train.attention is {setting!r}; use one of {', '.join(ATTENTION_CHOICES)}")
     if setting == "eager":
@@ -50,8 +53,11 @@ def resolve_attention(setting: str, device) -> str:
                 f"train.attention is 'flex' but torch {torch.__version__} has no torch.nn.attention.flex_attention; "
                 "use 'eager' or torch >= 2.5"
             )
+        if torch.device(device).type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+            raise AttentionUnavailable(f"train.attention is 'flex' but the drafter's head_dim {head_dim} < {FLEX_MIN_HEAD_DIM}; use 'eager'")
         return "flex"
-    return "flex" if torch.device(device).type == "cuda" and flex_available() else "eager"
+    cuda = torch.device(device).type == "cuda"
+    return "flex" if cuda and flex_available() and head_dim >= FLEX_MIN_HEAD_DIM else "eager"
 
 
 def padded_length(length: int, device) -> int:
@@ -61,27 +67,34 @@ def padded_length(length: int, device) -> int:
     return FLEX_BLOCK * math.ceil(length / FLEX_BLOCK)
 
 
-def _ttt_mask_mod(lengths: torch.Tensor, key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
-    """mask_mod of one TTT step; every varying value is a tensor, so compiled code is reused."""
+def _ttt_mask_mod(key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
+    """mask_mod of one TTT step: block 0 causal, blocks >= 1 diagonal.
+
+    No per-sample length term: a real query t < length sees causal keys <= t, all real, so the
+    mask is the same for every batch and its BlockMask is built once per shape. Padded queries see
+    padding, but their outputs are never selected for a loss.
+    """
 
     def mask_mod(b, h, q_idx, kv_idx):
         position = key_position[kv_idx]
-        causal = (position <= q_idx) & (position < lengths[b])
-        diagonal = position == q_idx
-        return (key_is_diagonal[kv_idx] & diagonal) | (~key_is_diagonal[kv_idx] & causal)
+        return torch.where(key_is_diagonal[kv_idx], position == q_idx, position <= q_idx)
 
     return mask_mod
 
 
-def ttt_block_mask(lengths: torch.Tensor, length: int, blocks: int):
-    """BlockMask for queries [0, length) over `blocks` concatenated key blocks of `length` each."""
+@functools.lru_cache(maxsize=64)
+def ttt_block_mask(length: int, blocks: int, device: str):
+    """BlockMask for queries [0, length) over `blocks` concatenated key blocks of `length` each.
+
+    Cached: building one evaluates the mask over [length, blocks * length], tens of milliseconds at
+    2048 tokens and 7 blocks, which per step would cost more than the attention itself.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    device = lengths.device
     key_position = torch.arange(length, device=device).repeat(blocks)  # (blocks * length,)
     key_is_diagonal = torch.arange(blocks * length, device=device) >= length
-    mask_mod = _ttt_mask_mod(lengths, key_position, key_is_diagonal)
-    return create_block_mask(mask_mod, lengths.shape[0], None, length, blocks * length, device=device)
+    mask_mod = _ttt_mask_mod(key_position, key_is_diagonal)
+    return create_block_mask(mask_mod, None, None, length, blocks * length, device=device)
 
 
 @functools.cache
