@@ -295,7 +295,7 @@ class _CaptureLayers:
         self.outputs.clear()
 
 
-def _batch_inputs(batch, lengths, offsets, ids_t: torch.Tensor):
+def _batch_inputs(batch, lengths, offsets, ids_t):
     """Right-padded ids (B, L) and the flat positions of real tokens in (B*L) order, plus their placements."""
     import torch
 
