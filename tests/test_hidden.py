@@ -151,12 +151,13 @@ def extract(target, template, token_shard, out_dir, name, **kwargs):
 
 @pytest.fixture(scope="module")
 def caches(target, template, token_shard, tmp_path_factory):
-    """fp32 batched (all samples in one padded batch), fp32 one sample per batch, bf16 batched."""
+    """fp32 batched (all samples in one padded batch), fp32 one sample per batch, bf16 and fp8 batched."""
     out_dir = tmp_path_factory.mktemp("hidden")
     return {
         "batched": extract(target, template, token_shard, out_dir, "batched", batch_tokens=4096, dtype="float32"),
         "single": extract(target, template, token_shard, out_dir, "single", batch_tokens=1, dtype="float32"),
         "bf16": extract(target, template, token_shard, out_dir, "bf16", batch_tokens=4096),
+        "fp8": extract(target, template, token_shard, out_dir, "fp8", batch_tokens=4096, dtype="float8_e4m3fn"),
     }
 
 
@@ -323,3 +324,108 @@ def test_empty_shard_gives_an_empty_cache(target, template, tmp_path):
     tensors, loaded = load_hidden(tmp_path / "empty.safetensors")
     assert loaded == manifest and manifest["samples"] == 0 and manifest["tokens"] == 0
     assert tensors["aux_hidden"].shape == (0, 3 * 576) and tensors["offsets"].tolist() == [0]
+
+
+# --------------------------------------------------------------------------- float8 cache
+
+
+def test_fp8_cache_dequantizes_close_to_the_fp32_states(caches):
+    """load_hidden returns float32 states within e4m3's error of the unquantized ones, per token and layer block."""
+    fp8, manifest, _ = caches["fp8"]
+    exact = caches["batched"][0]
+    H = manifest["hidden_size"]
+    assert manifest["dtype"] == "float8_e4m3fn" and "absmax / 448" in manifest["scales"]
+    assert "aux_scale" not in fp8  # used up by the dequantization
+    for name, blocks in (("aux_hidden", 3), ("final_hidden", 1)):
+        assert fp8[name].dtype == torch.float32
+        x = exact[name].reshape(-1, blocks, H)
+        error = (fp8[name].reshape(-1, blocks, H) - x).norm(dim=-1) / x.norm(dim=-1)
+        assert error.mean() < 0.03 and error.max() < 0.05, name
+    for name in ("input_ids", "loss_mask", "offsets"):
+        assert torch.equal(fp8[name], exact[name])
+
+
+def test_fp8_cache_stores_float8_and_scales(caches):
+    from eyrie.fp8 import quantize_blocks
+
+    stored, manifest = load_hidden(caches["fp8"][2], dequantize=False)
+    T = manifest["tokens"]
+    assert stored["aux_hidden"].dtype == stored["final_hidden"].dtype == torch.float8_e4m3fn
+    assert stored["aux_scale"].shape == (T, 3) and stored["final_scale"].shape == (T, 1)
+    assert stored["aux_scale"].dtype == torch.float32
+    # The same fp32 states through the quantizer give the same bytes: extraction uses eyrie.fp8 as is.
+    q, scale = quantize_blocks(caches["batched"][0]["aux_hidden"], 3)
+    assert torch.equal(stored["aux_hidden"].view(torch.uint8), q.view(torch.uint8))
+    torch.testing.assert_close(stored["aux_scale"], scale, rtol=0, atol=0)
+
+
+def test_fp8_cache_halves_the_bytes_per_token(caches):
+    _, bf16, bf16_path = caches["bf16"]
+    _, fp8, fp8_path = caches["fp8"]
+    H, T = fp8["hidden_size"], fp8["tokens"]
+    assert fp8["file_bytes"] == os.path.getsize(fp8_path)
+    assert fp8["bytes_per_token"] == pytest.approx(os.path.getsize(fp8_path) / T, abs=1e-3)
+    # Payload: 3H + H e4m3 bytes, 3 + 1 float32 scales, an int32 id and an int8 mask; the rest is offsets and the header.
+    payload = 4 * H + 4 * 4 + 5
+    header_and_offsets = bf16["file_bytes"] - T * (8 * H + 5)
+    assert fp8["file_bytes"] - T * payload == pytest.approx(header_and_offsets, abs=256)
+    assert fp8["bytes_per_token"] / bf16["bytes_per_token"] < 0.52
+
+
+def test_trainer_reads_fp8_and_bf16_caches_as_stored(caches):
+    """HiddenCache.batch (what training reads) dequantizes fp8 and returns bf16 values unchanged."""
+    from eyrie.train import HiddenCache
+
+    for mode in ("fp8", "bf16"):
+        tensors, manifest, path = caches[mode]
+        cache = HiddenCache([str(path)])
+        refs = [(0, a, b - a) for a, b in spans(tensors)]
+        batch = cache.batch(refs, "cpu")
+        for row, (_, a, n) in enumerate(refs):
+            assert torch.equal(batch["aux"][row, :n], tensors["aux_hidden"][a : a + n].float()), mode
+            assert torch.equal(batch["final"][row, :n], tensors["final_hidden"][a : a + n].float()), mode
+            assert not batch["aux"][row, n:].any()
+
+
+def test_convert_cache_to_fp8_matches_extraction(caches, tmp_path):
+    """A bf16/fp32 cache re-stored as fp8 (cache_precision benchmark) uses the extraction's quantizer."""
+    from eyrie.hidden import convert_cache
+
+    _, source_manifest, source = caches["batched"]
+    manifest = convert_cache(source, tmp_path / "fp8.safetensors", "float8_e4m3fn", rows_per_chunk=7)
+    converted, loaded = load_hidden(tmp_path / "fp8.safetensors", dequantize=False)
+    extracted, _ = load_hidden(caches["fp8"][2], dequantize=False)
+    assert loaded == manifest and manifest["dtype"] == "float8_e4m3fn"
+    assert {k: v for k, v in manifest.items() if k not in ("dtype", "scales", "file_bytes", "bytes_per_token")} == {
+        k: v for k, v in source_manifest.items() if k not in ("dtype", "file_bytes", "bytes_per_token")
+    }
+    assert set(converted) == set(extracted)
+    for name, values in extracted.items():
+        assert converted[name].dtype == values.dtype
+        assert torch.equal(converted[name].view(torch.uint8), values.view(torch.uint8)), name  # bytewise: fp8 has no ==
+
+
+def test_a_failed_background_write_is_raised(tmp_path):
+    from eyrie.hidden import HiddenCacheError, _BackgroundRows
+
+    class FailingWriter:
+        path = tmp_path / "x.safetensors"
+
+        def write_rows(self, name, row, values):
+            raise OSError("disk full")
+
+    rows = _BackgroundRows(FailingWriter(), depth=1)
+    for _ in range(4):  # more than the queue holds: put must not block on the failed writer
+        try:
+            rows.put(None, {"aux_hidden": torch.zeros(2, 3)}, [(0, 0, 2)])
+        except HiddenCacheError:
+            break
+    with pytest.raises(HiddenCacheError, match="x.safetensors.*disk full"):
+        rows.close()
+
+
+def test_unknown_cache_dtype_is_refused_with_the_choices(target, template, token_shard, tmp_path):
+    from eyrie.hidden import HiddenCacheError
+
+    with pytest.raises(HiddenCacheError, match="hidden.dtype.*float8_e4m3fn"):
+        extract(target, template, token_shard, tmp_path, "bad", batch_tokens=64, dtype="float8_e5m2")

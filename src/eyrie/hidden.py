@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +33,9 @@ from eyrie.tokenize import read_eyrie_metadata
 MANIFEST_KEY = "manifest"
 FORMAT = "eyrie-hidden/1"
 TENSOR_NAMES = ("aux_hidden", "final_hidden", "input_ids", "loss_mask", "offsets")
+# float8 caches store each state tensor with its scales (eyrie.fp8): name -> (scale tensor, blocks per row).
+SCALES = {"aux_hidden": ("aux_scale", 3), "final_hidden": ("final_scale", 1)}
+FP8_SCALES_NOTE = "per token and layer block: absmax / 448, float32; value = float(q) * scale"
 
 
 class HiddenCacheError(EyrieError):
@@ -117,8 +122,16 @@ def _torch_dtype(name: str):
 
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or str(name) not in _SAFETENSORS_DTYPES:
-        raise HiddenCacheError(f"hidden cache dtype must be one of bfloat16, float16, float32, float64; got {name!r}")
+        raise HiddenCacheError(
+            f"hidden.dtype must be one of bfloat16, float16, float32, float64, float8_e4m3fn; got {name!r}"
+        )
     return dtype
+
+
+def _is_fp8(dtype_name) -> bool:
+    from eyrie.fp8 import FP8_NAME
+
+    return dtype_name == FP8_NAME
 
 
 def _text_config(model):
@@ -139,6 +152,7 @@ _SAFETENSORS_DTYPES = {
     "float16": "F16",
     "float32": "F32",
     "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
     "int64": "I64",
     "int32": "I32",
     "int8": "I8",
@@ -199,6 +213,149 @@ class _SafetensorsWriter:
         self.file.close()
 
 
+class _BackgroundRows:
+    """Writes each batch's packed rows to the file on a thread, so the device->host copy and the file
+    writes of one batch overlap the next batch's forward.
+
+    At most `depth` batches wait in the queue (put blocks beyond that), which bounds host memory. A
+    failed write is kept, the remaining batches are dropped unwritten, and put/close re-raise it.
+    """
+
+    def __init__(self, writer: _SafetensorsWriter, depth: int = 2):
+        self.writer, self.error = writer, None
+        self.queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="eyrie-hidden-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, ready, tensors: dict, placements: list[tuple[int, int, int]]) -> None:
+        """tensors: name -> host rows of one batch; placements: (file row, batch row, count); ready: CUDA event or None."""
+        self._raise()
+        self.queue.put((ready, tensors, placements))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # drain, so put never blocks on a dead writer
+            ready, tensors, placements = item
+            try:
+                if ready is not None:
+                    ready.synchronize()  # the non-blocking device->host copies of this batch have landed
+                for name, rows in tensors.items():
+                    for file_row, batch_row, count in placements:
+                        self.writer.write_rows(name, file_row, rows[batch_row : batch_row + count])
+            except BaseException as exc:  # re-raised on the main thread
+                self.error = exc
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise HiddenCacheError(f"{self.writer.path}: writing the hidden states failed: {self.error}") from self.error
+
+    def close(self, check: bool = True) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if check:
+            self._raise()
+
+
+def _decoder_layers(base, num_layers: int):
+    """The decoder layers to hook, or None when the model does not expose them as base.layers."""
+    layers = getattr(base, "layers", None)
+    if layers is None or len(layers) != num_layers:
+        return None
+    return layers
+
+
+class _CaptureLayers:
+    """Forward hooks that keep the outputs of the layers behind the capture indices (output_hidden_states[c] is
+    the output of decoder layer c - 1), so the forward holds three states instead of all num_layers + 1."""
+
+    def __init__(self, layers, capture: list[int]):
+        self.layers, self.capture, self.outputs, self.handles = layers, capture, {}, []
+
+    def __enter__(self):
+        for c in self.capture:
+            self.handles.append(self.layers[c - 1].register_forward_hook(self._keep(c)))
+        return self
+
+    def _keep(self, c: int):
+        def hook(module, args, output):
+            self.outputs[c] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def take(self) -> list:
+        states = [self.outputs.pop(c, None) for c in self.capture]
+        if any(s is None for s in states):
+            raise HiddenCacheError(f"the capture hooks saw no output for capture indices {self.capture}; the target's decoder layers were not called")
+        return states
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.outputs.clear()
+
+
+def _batch_inputs(batch, lengths, offsets, ids_t):
+    """Right-padded ids (B, L) and the flat positions of real tokens in (B*L) order, plus their placements."""
+    import torch
+
+    longest = int(lengths[batch[0]])
+    x = torch.zeros(len(batch), longest, dtype=torch.long)
+    keep, placements, packed = [], [], 0
+    for row, k in enumerate(batch):
+        n = int(lengths[k])
+        x[row, :n] = ids_t[offsets[k] : offsets[k] + n]
+        keep.append(torch.arange(row * longest, row * longest + n))
+        placements.append((int(offsets[k]), packed, n))
+        packed += n
+    return x, torch.cat(keep), placements
+
+
+def _to_device(t, device):
+    """Host -> device without a stall on CUDA (pinned source, non-blocking)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _encode_rows(aux, final, out_dtype) -> dict:
+    """The stored form of packed rows aux [n, 3H], final [n, H] (on the device that computed them)."""
+    from eyrie.fp8 import FP8_DTYPE, quantize_blocks
+
+    if out_dtype == FP8_DTYPE:
+        stored = {}
+        for name, states in (("aux_hidden", aux), ("final_hidden", final)):
+            scale_name, blocks = SCALES[name]
+            stored[name], stored[scale_name] = quantize_blocks(states, blocks)
+        return stored
+    return {"aux_hidden": aux.to(out_dtype), "final_hidden": final.to(out_dtype)}
+
+
+def _to_host(tensors: dict, device):
+    """(host tensors, ready event): on CUDA the copies are non-blocking into pinned memory and the event marks them done."""
+    import torch
+
+    if device.type != "cuda":
+        return {name: t.cpu() for name, t in tensors.items()}, None
+    host = {name: t.to("cpu", non_blocking=True) for name, t in tensors.items()}  # pinned destination
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _storage_specs(dtype_name: str, samples: int, total: int, hidden: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    specs = [
+        ("offsets", "int64", (samples + 1,)),
+        ("aux_hidden", dtype_name, (total, 3 * hidden)),
+        ("final_hidden", dtype_name, (total, hidden)),
+        ("input_ids", "int32", (total,)),
+        ("loss_mask", "int8", (total,)),
+    ]
+    if _is_fp8(dtype_name):
+        specs += [(scale_name, "float32", (total, blocks)) for scale_name, blocks in SCALES.values()]
+    return specs
+
+
 def extract_shard(
     *,
     tokens_path: str,
@@ -211,7 +368,11 @@ def extract_shard(
     dtype: str = "bfloat16",
     progress: bool = True,
 ) -> dict:
-    """Run the target over a token shard and cache aux [T, 3H] and final normed [T, H] states; returns the manifest."""
+    """Run the target over a token shard and cache aux [T, 3H] and final normed [T, H] states; returns the manifest.
+
+    With dtype float8_e4m3fn the states are stored quantized with per-token, per-layer-block scales
+    (aux_scale [T, 3], final_scale [T, 1], see eyrie.fp8); load_hidden and the trainer dequantize.
+    """
     import torch
     from tqdm import tqdm
 
@@ -231,6 +392,7 @@ def extract_shard(
     total = int(offsets[-1])
     device = next(model.parameters()).device
     base = _base_model(model)
+    layers = _decoder_layers(base, num_layers)
     batches = plan_token_batches(lengths, batch_tokens)
     dtype_name = str(out_dtype).removeprefix("torch.")
 
@@ -249,13 +411,8 @@ def extract_shard(
         "assistant_tokens": int(loss_mask.sum(dtype=np.int64)),
         "ids": sample_ids,
     }
-    specs = [
-        ("offsets", "int64", (len(sample_ids) + 1,)),
-        ("aux_hidden", dtype_name, (total, 3 * hidden)),
-        ("final_hidden", dtype_name, (total, hidden)),
-        ("input_ids", "int32", (total,)),
-        ("loss_mask", "int8", (total,)),
-    ]
+    if _is_fp8(dtype_name):
+        manifest["scales"] = FP8_SCALES_NOTE
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
@@ -269,47 +426,51 @@ def extract_shard(
         dynamic_ncols=True,
     )
     try:
-        writer = _SafetensorsWriter(tmp, specs, manifest)
+        writer = _SafetensorsWriter(tmp, _storage_specs(dtype_name, len(sample_ids), total, hidden), manifest)
+        rows = _BackgroundRows(writer)
+        failed = True
         try:
             writer.write_rows("offsets", 0, torch.from_numpy(offsets))
             writer.write_rows("input_ids", 0, ids_t)
             writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask))
             start, done_tokens = time.perf_counter(), 0
-            with torch.inference_mode():
+            with torch.inference_mode(), _CaptureLayers(layers or [], capture if layers else []) as hooks:
                 for batch in batches:
-                    longest = int(lengths[batch[0]])
-                    x = torch.zeros(len(batch), longest, dtype=torch.long)
-                    attention = torch.zeros(len(batch), longest, dtype=torch.long)
-                    for row, k in enumerate(batch):
-                        n = int(lengths[k])
-                        x[row, :n] = ids_t[offsets[k] : offsets[k] + n]
-                        attention[row, :n] = 1
+                    x, keep, placements = _batch_inputs(batch, lengths, offsets, ids_t)
+                    # Right padding needs no attention mask: under the causal mask a real token never sees the
+                    # padding after it, and leaving the mask out lets SDPA take its causal (flash) kernels.
                     out = base(
-                        input_ids=x.to(device),
-                        attention_mask=attention.to(device),
-                        output_hidden_states=True,
+                        input_ids=_to_device(x, device),
+                        output_hidden_states=layers is None,
                         use_cache=False,
                         return_dict=True,
                     )
-                    if len(out.hidden_states) != num_layers + 1:
-                        raise HiddenCacheError(
-                            f"the target returned {len(out.hidden_states)} hidden states, expected {num_layers + 1} "
-                            "(embeddings + one per decoder layer); cannot map aux layer ids"
-                        )
-                    # last_hidden_state is the decoder stack's output after its final norm: what the LM head reads.
-                    batch_aux = torch.cat([out.hidden_states[c] for c in capture], dim=-1).to(out_dtype).cpu()
-                    batch_final = out.last_hidden_state.to(out_dtype).cpu()
-                    del out
-                    for row, k in enumerate(batch):
-                        n = int(lengths[k])
-                        writer.write_rows("aux_hidden", int(offsets[k]), batch_aux[row, :n])
-                        writer.write_rows("final_hidden", int(offsets[k]), batch_final[row, :n])
+                    if layers is None:
+                        if len(out.hidden_states) != num_layers + 1:
+                            raise HiddenCacheError(
+                                f"the target returned {len(out.hidden_states)} hidden states, expected {num_layers + 1} "
+                                "(embeddings + one per decoder layer); cannot map aux layer ids"
+                            )
+                        states = [out.hidden_states[c] for c in capture]
+                    else:
+                        states = hooks.take()
+                    # Only the real tokens leave the device, gathered by index (no host sync); last_hidden_state is
+                    # the decoder stack's output after its final norm: what the LM head reads.
+                    keep_d = _to_device(keep, device)
+                    aux = torch.cat([s.reshape(-1, hidden).index_select(0, keep_d) for s in states], dim=-1)  # (n, 3H)
+                    final = out.last_hidden_state.reshape(-1, hidden).index_select(0, keep_d)  # (n, H)
+                    del out, states
+                    host, ready = _to_host(_encode_rows(aux, final, out_dtype), device)
+                    del aux, final
+                    rows.put(ready, host, placements)
                     done_tokens += int(lengths[batch].sum())
                     bar.update(len(batch))
                     bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
-            bar.update(len(sample_ids) - bar.n)  # empty samples need no forward
+            failed = False
         finally:
+            rows.close(check=not failed)
             writer.close()
+        bar.update(len(sample_ids) - bar.n)  # empty samples need no forward
         if tmp.stat().st_size != manifest["file_bytes"]:
             raise HiddenCacheError(f"{tmp}: wrote {tmp.stat().st_size} bytes, expected {manifest['file_bytes']}")
         os.replace(tmp, out_path)
@@ -336,21 +497,88 @@ def read_manifest(path: str | Path) -> dict:
     return json.loads(metadata[MANIFEST_KEY])
 
 
-def load_hidden(path: str | Path):
-    """(tensors dict, manifest) of a cache file; the tensors are checked for the shapes the manifest states."""
+def stored_names(manifest: dict) -> tuple[str, ...]:
+    """The tensors a cache with this manifest holds: the scales too when its states are float8."""
+    scales = tuple(scale_name for scale_name, _ in SCALES.values()) if _is_fp8(manifest.get("dtype")) else ()
+    return TENSOR_NAMES + scales
+
+
+def load_hidden(path: str | Path, dequantize: bool = True):
+    """(tensors dict, manifest) of a cache file; the tensors are checked for the shapes the manifest states.
+
+    A float8 cache comes back dequantized to float32 aux_hidden/final_hidden (its scale tensors used
+    up), unless dequantize=False, which returns the stored float8 values and their scales.
+    """
     from safetensors.torch import load_file
+
+    from eyrie.fp8 import dequantize_blocks
 
     manifest = read_manifest(path)
     tensors = load_file(str(path))
-    missing = [name for name in TENSOR_NAMES if name not in tensors]
+    missing = [name for name in stored_names(manifest) if name not in tensors]
     if missing:
-        raise HiddenCacheError(f"{path}: missing tensors {missing}")
+        raise HiddenCacheError(f"{path}: missing tensors {missing}; rebuild the cache")
     t, h, n = manifest["tokens"], manifest["hidden_size"], manifest["samples"]
     expected = {"aux_hidden": (t, 3 * h), "final_hidden": (t, h), "input_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,)}
+    if _is_fp8(manifest["dtype"]):
+        expected.update({scale_name: (t, blocks) for scale_name, blocks in SCALES.values()})
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise HiddenCacheError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the manifest says {shape}")
+    if dequantize and _is_fp8(manifest["dtype"]):
+        for name, (scale_name, _) in SCALES.items():
+            tensors[name] = dequantize_blocks(tensors[name], tensors.pop(scale_name))
     return tensors, manifest
+
+
+def read_state_rows(handle, name: str, start: int, stop: int, fp8: bool):
+    """Rows start:stop of aux_hidden or final_hidden from an open safetensors handle, as float32 (dequantized if fp8)."""
+    from eyrie.fp8 import dequantize_blocks
+
+    rows = handle.get_slice(name)[start:stop]
+    if not fp8:
+        return rows.float()
+    return dequantize_blocks(rows, handle.get_slice(SCALES[name][0])[start:stop])
+
+
+def convert_cache(src_path: str | Path, out_path: str | Path, dtype: str, rows_per_chunk: int = 4096) -> dict:
+    """Re-store a cache's states in another dtype with extract_shard's own encoder (e.g. a bf16 cache as float8).
+
+    Everything else (tokens, offsets, manifest fields) is carried over; returns the new manifest. A
+    float8 source is dequantized first, so converting back gives its float values, not the originals.
+    """
+    from safetensors import safe_open
+
+    out_dtype = _torch_dtype(dtype)
+    dtype_name = str(out_dtype).removeprefix("torch.")
+    manifest = read_manifest(src_path)
+    total, hidden, samples = int(manifest["tokens"]), int(manifest["hidden_size"]), int(manifest["samples"])
+    manifest = {k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token", "scales")}
+    manifest["dtype"] = dtype_name
+    if _is_fp8(dtype_name):
+        manifest["scales"] = FP8_SCALES_NOTE
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    try:
+        writer = _SafetensorsWriter(tmp, _storage_specs(dtype_name, samples, total, hidden), manifest)
+        try:
+            with safe_open(str(src_path), framework="pt") as f:
+                for name in ("offsets", "input_ids", "loss_mask"):
+                    writer.write_rows(name, 0, f.get_tensor(name))
+                source_fp8 = _is_fp8(read_manifest(src_path).get("dtype"))
+                for start in range(0, total, rows_per_chunk):
+                    stop = min(total, start + rows_per_chunk)
+                    aux = read_state_rows(f, "aux_hidden", start, stop, source_fp8)
+                    final = read_state_rows(f, "final_hidden", start, stop, source_fp8)
+                    for name, rows in _encode_rows(aux, final, out_dtype).items():
+                        writer.write_rows(name, start, rows)
+        finally:
+            writer.close()
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return manifest
 
 
 def check_manifest(

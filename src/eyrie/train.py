@@ -39,6 +39,7 @@ import torch
 from eyrie.batching import batches_by_tokens
 from eyrie.drafter import CheckpointError, DrafterShape, Eagle3Drafter, check_checkpoint
 from eyrie.errors import EyrieError
+from eyrie.fp8 import FP8_NAME
 from eyrie.ttt_attention import resolve_attention
 
 # Mirrors schemas/config.schema.yaml (the pipeline passes validated, complete sections; tests and
@@ -148,17 +149,19 @@ class HiddenCache:
     def __init__(self, paths: list[str]):
         from safetensors import safe_open
 
-        from eyrie.hidden import read_manifest
+        from eyrie.hidden import read_manifest, stored_names
 
         if not paths:
             raise TrainingInputError("no hidden-state cache shards given")
         self.paths = [str(p) for p in paths]
         self.manifests = [read_manifest(p) for p in self.paths]
         self._handles = [safe_open(p, framework="pt") for p in self.paths]
+        # float8 shards carry per-token scales; batch() dequantizes, so training sees float32 either way.
+        self.fp8 = [m.get("dtype") == FP8_NAME for m in self.manifests]
         self.input_ids, self.loss_mask, self.offsets, self.widths = [], [], [], []
-        for path, f in zip(self.paths, self._handles):
+        for path, f, manifest in zip(self.paths, self._handles, self.manifests):
             names = set(f.keys())
-            missing = [n for n in ("aux_hidden", "final_hidden", "input_ids", "loss_mask", "offsets") if n not in names]
+            missing = [n for n in stored_names(manifest) if n not in names]
             if missing:
                 raise TrainingInputError(f"{path}: hidden-state cache lacks tensors {missing}")
             ids = f.get_tensor("input_ids").long()
@@ -197,7 +200,9 @@ class HiddenCache:
         return out, truncated, skipped
 
     def batch(self, refs: list[tuple[int, int, int]], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
-        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype), input_ids, loss_mask [B, L], lengths [B]."""
+        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized), input_ids, loss_mask [B, L], lengths [B]."""
+        from eyrie.hidden import read_state_rows
+
         B, L = len(refs), max(n for _, _, n in refs)
         aux_w, final_w = self.widths[refs[0][0]]
         aux = torch.zeros(B, L, aux_w, dtype=dtype)
@@ -206,8 +211,8 @@ class HiddenCache:
         mask = torch.zeros(B, L, dtype=torch.bool)
         for row, (s, a, n) in enumerate(refs):
             f = self._handles[s]
-            aux[row, :n] = f.get_slice("aux_hidden")[a : a + n].to(dtype)
-            final[row, :n] = f.get_slice("final_hidden")[a : a + n].to(dtype)
+            aux[row, :n] = read_state_rows(f, "aux_hidden", a, a + n, self.fp8[s]).to(dtype)
+            final[row, :n] = read_state_rows(f, "final_hidden", a, a + n, self.fp8[s]).to(dtype)
             ids[row, :n] = self.input_ids[s][a : a + n]
             mask[row, :n] = self.loss_mask[s][a : a + n]
         lengths = torch.tensor([n for _, _, n in refs], dtype=torch.long)
