@@ -37,6 +37,7 @@ TOLERANCE = 0.02  # the largest acceptable relative change in acceptance length
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, type=Path, help="a finished pipeline working directory")
+    parser.add_argument("--epochs", type=float, default=None, help="train both drafters for this many epochs instead of the workdir's train.epochs")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     parser.add_argument("--small", action="store_true", help="CPU smoke mode: train and benchmark on the CPU, at most 2 prompts per dataset")
     parser.add_argument("--tmpdir", default=None, help="where the fp8 caches and drafters go (default: the system temp dir)")
@@ -126,6 +127,8 @@ def main() -> None:
     work = Workdir(args.workdir)
     device = "cpu" if args.small else work.config["model"]["device"]
     train_cfg = dict(work.config["train"], **({"device": "cpu"} if args.small else {}))
+    if args.epochs is not None:  # both drafters alike: a shorter, still side-by-side comparison
+        train_cfg["epochs"] = args.epochs
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and device != "cpu" else "cpu"
     print(f"torch {torch.__version__}, device {gpu}; workdir {work.root}; {len(work.caches)} cache shards", flush=True)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -94,8 +96,17 @@ def needed_capacity(prompt_tokens: int, max_new_tokens: int, draft_tokens: int =
 # --------------------------------------------------------------------------- CUDA graphs
 
 
+# Why a capture failed, per failure: a decoder whose capture failed runs eagerly and must not be labelled as graphed.
+GRAPH_CAPTURE_FAILURES: list[str] = []
+
+
 class Replay:
-    """fn() (on static buffers) as a CUDA graph when asked for, else plain calls: the CPU fallback."""
+    """fn() (on static buffers) as a CUDA graph when asked for, else plain calls: the CPU fallback.
+
+    A capture that fails (an op that syncs, a torch version that refuses something) falls back to
+    plain calls with a warning instead of failing the benchmark: slower, still correct, and
+    GRAPH_CAPTURE_FAILURES makes the result say so.
+    """
 
     def __init__(self, fn, use_graph: bool):
         self.fn, self.graph = fn, None
@@ -106,9 +117,15 @@ class Replay:
                 for _ in range(WARMUP_REPLAYS):
                     fn()
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                fn()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    fn()
+                self.graph = graph
+            except Exception as exc:  # noqa: BLE001 -- any capture error: run eagerly, say why
+                torch.cuda.synchronize()
+                GRAPH_CAPTURE_FAILURES.append(f"{type(exc).__name__}: {exc}"[:300])
+                warnings.warn(f"CUDA graph capture failed, running eagerly: {GRAPH_CAPTURE_FAILURES[-1]}")
 
     def __call__(self) -> None:
         if self.graph is None:
@@ -148,7 +165,7 @@ class StaticLlama:
 
     @property
     def label(self) -> str:
-        return "static-cudagraph" if self.use_graphs else "static"
+        return "static-cudagraph" if self.use_graphs and not GRAPH_CAPTURE_FAILURES else "static"
 
     @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:

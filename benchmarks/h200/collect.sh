@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# What comes back from a pipeline working directory: the report and the figures behind it.
+W=$1; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+cp "$W/report.html" "$OUT/" 2>/dev/null
+(cd "$W" && tar czf "$OUT/figures.tgz" --ignore-failed-read results/bench results/drafter/*.json results/drafter/*/*.json \
+    results/vocab/*.json logs/benchmarks logs/completions logs/hidden logs/train 2>/dev/null)
+python3 - "$W" <<'PY'
+import json, sys, glob, pyarrow.parquet as pq
+w = sys.argv[1]
+for path in sorted(glob.glob(f"{w}/results/bench/*.json")):
+    r = json.load(open(path))
+    print(f"bench {r.get('benchmark')}: acceptance {r.get('mean_acceptance_length')}, speedup {r.get('speedup')}, greedy {r.get('greedy_tokens_per_s')} tok/s, spec {r.get('spec_tokens_per_s')} tok/s, lossless {r.get('lossless')}, decoder {r.get('decoder')}, prompts {r.get('prompts')}")
+for path in sorted(glob.glob(f"{w}/results/completions/*/*.parquet")):
+    meta = json.loads(pq.read_schema(path).metadata[b"eyrie"])["stats"]
+    print("completions", "/".join(path.rsplit("/", 2)[-2:]), {k: v for k, v in meta.items() if not isinstance(v, (list, dict))})
+PY
+ls -la "$OUT"
