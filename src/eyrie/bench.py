@@ -301,6 +301,10 @@ def run_benchmark(
         encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
     rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"])
+    if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
+        from eyrie.static_decode import GRAPH_CAPTURE_FAILURES
+
+        decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(GRAPH_CAPTURE_FAILURES[:2])
 
     result = {
         "benchmark": benchmark_name,

@@ -51,6 +51,7 @@ SERVE_PORT = 30000  # SGLang's default port, for the command shown on the page
 DEFAULT_DRAFT_TOKENS = 4  # schemas/config.schema.yaml bench.draft_tokens
 PLOT_POINTS = 400  # curves are thinned to about this many points: enough to read, light enough to embed
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FP8_DTYPE = "float8_e4m3fn"
 LENGTH_HINT_SHARE = 0.20  # above this share of turns cut at max_new_tokens, the drafter learns from clipped answers
 HISTOGRAM_BINS = 40
 SAMPLE_CHARS = 1500  # enough of a message to judge it, short enough to keep the page light
@@ -663,16 +664,21 @@ def _bytes_reference(sizes: list, dtypes: list, measured: float | None) -> dict[
     if len(sizes) != 1 or not isinstance(sizes[0], int):
         return None
     h = sizes[0]
-    element = ELEMENT_BYTES.get(dtypes[0]) if len(dtypes) == 1 else None
+    dtype = dtypes[0] if len(dtypes) == 1 else None
     bf16 = 8 * h + 5
-    own = 4 * h * element + 5 if element else None
+    if dtype == FP8_DTYPE:  # 1 byte per state element plus a float32 scale per token for each of the 4 H-wide blocks
+        own, formula = 4 * h + 16 + 5, "4H+21"
+    else:
+        element = ELEMENT_BYTES.get(dtype)
+        own, formula = (4 * h * element + 5, f"{4 * element}H+5") if element else (None, None)
     return {
         "hidden_size": h,
         "bf16": bf16,
-        "dtype": dtypes[0] if len(dtypes) == 1 else None,
+        "dtype": dtype,
         "own": own,
-        "formula": f"{4 * element}H+5" if element else None,
+        "formula": formula,
         "overhead": (measured / own - 1) if measured and own else None,
+        "vs_bf16": (measured / bf16) if measured else None,
     }
 
 
@@ -874,6 +880,8 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
         "max_new_tokens": data.get("max_new_tokens"),
         "min_acceptance_length": data.get("min_acceptance_length"),
         "dtype": data.get("dtype"),
+        "decoder": data.get("decoder"),
+        "decoder_fallback_reason": data.get("decoder_fallback_reason"),
         "device": data.get("device"),
         "hardware": data.get("hardware"),
         "torch": data.get("torch"),
