@@ -186,3 +186,29 @@ def test_chain_extend_after_drafting_equals_decoding_from_scratch():
         chain.extend(aux[:, 6:], ids[6:], start=6)
         full_logits, _ = drafter.decode(drafter.fc(aux), torch.tensor([ids]), torch.arange(9)[None], DraftCache())
         torch.testing.assert_close(chain.logits[0, -1], full_logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_baseline_equals_transformers_generate(target, prompts, greedy, stop_ids):
+    """The HF-path baseline decodes with its KV cache: its tokens are model.generate's (a cache passed under the
+    wrong keyword is silently ignored and every token is decoded without context)."""
+    model, _ = target
+    for prompt, ours in zip(prompts[:2], greedy):
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, eos_token_id=sorted(stop_ids))
+        assert reference[0, len(prompt) :].tolist() == ours[: reference.shape[1] - len(prompt)]
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    from eyrie.speculative import cache_keyword
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids, **kwargs): ...
+
+    assert cache_keyword(Old()) == "past_key_values" and cache_keyword(New()) == "cache"
+    with pytest.raises(TypeError, match="neither"):
+        cache_keyword(Neither())

@@ -18,6 +18,7 @@ with the same results.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,12 +93,26 @@ class Eagle3Chain:
         return drafts
 
 
+def cache_keyword(model) -> str:
+    """The forward's name for the KV cache: `cache` in recent transformers, `past_key_values` before.
+
+    Passing the wrong one is silent (it lands in **kwargs) and decodes every token without context:
+    seen on an H200 with transformers 5.17, where the speculative baseline then accepted nothing.
+    """
+    parameters = inspect.signature(type(model).forward).parameters
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: cannot decode with a KV cache")
+
+
 def _forward(target, ids: list[int], cache: DynamicCache, hidden_states: bool = False, last_only: bool = False):
     """One target forward that extends the cache; last_only skips the vocab projection of earlier positions."""
     input_ids = torch.tensor([ids], device=target.device)
     return target(
         input_ids=input_ids,
-        cache=cache,
+        **{cache_keyword(target): cache},
         use_cache=True,
         output_hidden_states=hidden_states,
         logits_to_keep=1 if last_only else 0,  # 0 keeps all
