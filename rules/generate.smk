@@ -16,8 +16,10 @@ rule regenerate_shard:
         model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),
         # Kept outside the declared output so a failed or killed job keeps its finished turns.
         partial_dir="results/partial/completions/{dataset}/{shard}",
-    # A server engine's job only waits on HTTP: one core, so several shards can share the servers.
-    threads: workflow.cores if config["engine"]["kind"] == "transformers" else 1
+    # In process on the CPU a shard takes every core; on a GPU its work is kernel launches, so a few cores
+    # leave room for a second shard on the same card (`--resources gpu=2`: on an H200 four shards ran one
+    # after another at 2.5-3.1K tok/s each while all cores were claimed). A server engine's job only waits on HTTP.
+    threads: (workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)) if config["engine"]["kind"] == "transformers" else 1
     # What a cluster job asks for (profiles/slurm adds memory and time, docs/CLUSTER.md): no GPU when the shard only
     # talks to servers that already run; `--resources server_slots=N` caps the shards running at once.
     resources:

