@@ -15,6 +15,8 @@ rule train_drafter:
         # Resume state lives outside the declared output, which is written once at the end.
         state_dir="results/partial/train",
     threads: workflow.cores
+    resources:
+        gpu=config["train"]["processes"] if config["train"]["device"] != "cpu" else 0,
     log:
         "logs/train/drafter.log",
     benchmark:

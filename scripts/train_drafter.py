@@ -1,14 +1,15 @@
 # Snakemake entry point: hidden-state caches -> EAGLE-3 drafter checkpoint (see eyrie.train).
+# train.processes > 1: the same training as several data-parallel ranks under torchrun.
 import torch
 
 from eyrie.joblog import job_log
 from eyrie.model import load_tokenizer, model_fingerprint, template_fingerprint
-from eyrie.train import train_drafter
+from eyrie.train import launch_data_parallel, train_drafter
 
 with job_log(snakemake.log[0]):
     torch.set_num_threads(snakemake.threads)
     tokenizer = load_tokenizer(snakemake.input.model, snakemake.config["model"]["trust_remote_code"])
-    train_drafter(
+    arguments = dict(
         hidden_paths=list(snakemake.input.hidden),
         vocab_path=snakemake.input.vocab,
         target_dir=snakemake.input.model,
@@ -19,3 +20,8 @@ with job_log(snakemake.log[0]):
         template_sha256=template_fingerprint(tokenizer),
         target_fingerprint=model_fingerprint(snakemake.input.model),
     )
+    processes = int(snakemake.params.train["processes"])
+    if processes > 1:
+        launch_data_parallel(arguments, processes, f"{snakemake.params.state_dir}/launch.json", snakemake.log[0])
+    else:
+        train_drafter(**arguments)

@@ -223,3 +223,26 @@ def test_the_real_report_opens_in_chromium_and_shows_the_benchmark(built, tmp_pa
     assert "humaneval" in text and f"{bench['mean_acceptance_length']:.2f}" in text
     assert "LlamaForCausalLMEagle3" in text or "EAGLE3" in text
     assert screenshot.stat().st_size > 10_000
+
+
+def test_two_training_processes_through_the_snakefile(built):
+    """train.processes: 2 reruns training (and what follows) as two torchrun ranks, and the drafter is servable."""
+    from safetensors.torch import load_file
+
+    from eyrie.drafter import DrafterShape, check_checkpoint
+
+    config_path = built / "config.yaml"
+    original = config_path.read_text()
+    config = yaml.safe_load(original)
+    config["train"]["processes"] = 2
+    config_path.write_text(yaml.safe_dump(config))
+    try:
+        jobs = {rule for rule, _ in dry_run_jobs(built)}
+        assert jobs == {"train_drafter", "benchmark_heldout", "benchmark_humaneval", "write_report", "all"}
+        snakemake(built, "report.html")
+        log = (built / "logs/train/drafter.log").read_text()
+        assert "2 ranks" in log and json.loads((built / "results/partial/train/launch.json").read_text())["train_cfg"]["processes"] == 2
+        drafter = built / "results/drafter"
+        check_checkpoint(load_file(str(drafter / "model.safetensors")), DrafterShape.from_sglang_config(json.loads((drafter / "config.json").read_text())))
+    finally:
+        config_path.write_text(original)  # the last test of this module: the workdir is not built back

@@ -58,6 +58,7 @@ TRAIN_DEFAULTS = {
     "log_every": 10,
     "attention": "auto",
     "recompute_mlp": False,
+    "processes": 1,
 }
 STATE_JSON = "state.json"
 STATE_FORMAT = "eyrie-train-state/1"
@@ -1059,6 +1060,33 @@ def train_drafter(
     if dist:
         dist.close()
     return summary
+
+
+# Keep NVLink multicast off in every rank: on shared multi-GPU hosts a program using it can take the GPUs down.
+DISTRIBUTED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def launch_data_parallel(train_kwargs: dict, processes: int, args_path: str | Path, log_path: str | Path | None = None) -> None:
+    """train_drafter(**train_kwargs) in `processes` ranks under torchrun on this machine; raises if any rank fails.
+
+    The keyword arguments go through a JSON file (args_path, kept beside the resume state) to
+    `python -m eyrie.train`; the ranks' output is appended to log_path.
+    """
+    import subprocess
+
+    args_path = Path(args_path)
+    args_path.parent.mkdir(parents=True, exist_ok=True)
+    args_path.write_text(json.dumps(train_kwargs, indent=1, default=str))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), "-m", "eyrie.train", str(args_path)]
+    env = {**os.environ, **DISTRIBUTED_ENV}
+    with open(log_path, "a", encoding="utf-8") if log_path else open(os.devnull, "w") as log:
+        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise TrainingInputError(
+            f"data-parallel training ({processes} processes, torchrun) failed with exit code {done.returncode}"
+            + (f"; the ranks' output is in {log_path}" if log_path else "")
+            + "; finished steps are kept in the state directory, rerun to resume"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
