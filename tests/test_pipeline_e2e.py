@@ -238,7 +238,7 @@ def test_two_training_processes_through_the_snakefile(built):
     config_path.write_text(yaml.safe_dump(config))
     try:
         jobs = {rule for rule, _ in dry_run_jobs(built)}
-        assert jobs == {"train_drafter", "benchmark_heldout", "benchmark_humaneval", "write_report", "all"}
+        assert jobs - {"all"} == {"train_drafter", "benchmark_heldout", "benchmark_humaneval", "write_report"}
         snakemake(built, "report.html")
         log = (built / "logs/train/drafter.log").read_text()
         assert "2 ranks" in log and json.loads((built / "results/partial/train/launch.json").read_text())["train_cfg"]["processes"] == 2

@@ -131,6 +131,31 @@ def test_static_rounds_draft_exactly_like_the_eagle3_chain(k):
         assert len({length for length in static.acceptance_lengths}) >= 2 and max(static.acceptance_lengths) > 1
 
 
+def test_spans_double_from_the_smallest_and_end_at_the_capacity():
+    from eyrie.static_decode import span_for, spans_up_to
+
+    assert spans_up_to(64) == [64] and spans_up_to(256) == [256] and spans_up_to(1344) == [256, 512, 1024, 1344]
+    assert [span_for(n, 1344) for n in (1, 256, 257, 1024, 1025, 1344)] == [256, 256, 512, 1024, 1344, 1344]
+    with pytest.raises(ValueError, match="holds 1344"):
+        span_for(1345, 1344)
+
+
+def test_decoding_across_attention_spans_equals_transformers():
+    """A decode that grows from the 256-slot span through 512 into 1024 keeps greedy's tokens and the chain's drafts."""
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    drafter = tiny_drafter(model)
+    engine = StaticLlama(model, capacity=1024, cuda_graphs=False)
+    prompt, max_new = torch.randint(0, 5, (250,), generator=torch.Generator().manual_seed(2)).tolist(), 300
+    greedy = greedy_decode(model, prompt, max_new, set()).tokens
+    assert greedy_decode(engine, prompt, max_new, set()).tokens == greedy
+    chain = RecordingChain(drafter)
+    reference = speculative_decode(model, chain, prompt, max_new, set(), draft_tokens=3)
+    static = speculative_decode(engine, drafter, prompt, max_new, set(), draft_tokens=3)
+    assert static.tokens == reference.tokens == greedy
+    assert engine.drafter_for(drafter).drafted == chain.drafted
+    assert static.acceptance_lengths == reference.acceptance_lengths
+
+
 def test_static_greedy_stops_at_stop_tokens_and_budget():
     model = tiny_model("llama")
     engine = StaticLlama(model, capacity=16, cuda_graphs=False)  # too small: grows on demand

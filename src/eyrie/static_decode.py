@@ -5,9 +5,13 @@ cache under torch.compile(reduce-overhead) fails there. This module runs the sam
 of our own, whose every step has static shapes:
 
   cache   [layers, 1, kv_heads, capacity, head_dim]; a forward over tokens at positions p writes
-          K/V into slots p (index_copy_) and attends to all slots with the mask slot <= p. Slots of
-          rejected drafts are simply overwritten by the next forward (gpt-fast's trick): no crop.
-  greedy  one graph: next = argmax(target(token, position)); token <- next; position += 1.
+          K/V into slots p (index_copy_) and attends to the first `span` slots with the mask
+          slot <= p. Slots of rejected drafts are simply overwritten by the next forward (gpt-fast's
+          trick): no crop.
+  span    attention reads only the filled prefix, rounded up to a power-of-two bucket: on an H200
+          attending over the whole cache made a token cost 3.6 ms at 256 slots and 13 ms at ~2,900.
+          Each bucket has its own graph, all captured before the prefill.
+  greedy  one graph per span: next = argmax(target(token, position)); token <- next; position += 1.
   round   one graph for a whole speculative round: drafter extend (k + 1 rows, padded), k - 1
           chained draft steps, the (k + 1)-token verify, the accepted count and the next round's
           inputs, all on device; the host reads [accepted, *predicted] once per round.
@@ -20,6 +24,7 @@ transformers or from training; only attention over the static cache is ours.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import warnings
@@ -38,6 +43,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Rope types whose frequencies do not depend on the sequence length, so one table serves every step.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CAPACITY_STEP = 64  # cache slots are rounded up to this: fewer recaptures, aligned attention masks
+SMALLEST_SPAN = 256  # attention spans are this times a power of two (or the whole cache)
 WARMUP_REPLAYS = 2  # eager runs on a side stream before capture, as torch.cuda.graphs requires
 
 
@@ -86,6 +92,22 @@ def check_supported(model) -> None:
 
 def round_up(length: int, step: int = CAPACITY_STEP) -> int:
     return -(-length // step) * step
+
+
+def spans_up_to(capacity: int) -> list[int]:
+    """The attention spans of a cache: SMALLEST_SPAN, doubling, then the capacity itself."""
+    spans, span = [], SMALLEST_SPAN
+    while span < capacity:
+        spans.append(span)
+        span *= 2
+    return spans + [capacity]
+
+
+def span_for(slots: int, capacity: int) -> int:
+    """The smallest span that holds `slots` slots (positions 0..slots-1)."""
+    if slots > capacity:
+        raise ValueError(f"{slots} cache slots needed, the cache holds {capacity}")
+    return next(span for span in spans_up_to(capacity) if span >= slots)
 
 
 def needed_capacity(prompt_tokens: int, max_new_tokens: int, draft_tokens: int = 0) -> int:
@@ -182,14 +204,14 @@ class StaticLlama:
         self.cos, self.sin = cos[0], sin[0]  # (capacity, hd)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the next input token
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
-        self.greedy_step = None
+        self.greedy_steps: dict[int, Replay] = {}  # by span
         for drafter in self.drafters.values():
             drafter.reallocate(self.capacity)
 
     # ---- the forward
 
-    def _attention(self, index: int, attention, x, positions, cos, sin, mask):
-        """One layer's attention over the whole cache, after writing this forward's K/V at `positions`."""
+    def _attention(self, index: int, attention, x, positions, cos, sin, mask, span: int):
+        """One layer's attention over the first `span` cache slots, after writing this forward's K/V at `positions`."""
         B, T, _ = x.shape
         q = attention.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (1, h, T, hd)
         k = attention.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, kvh, T, hd)
@@ -199,6 +221,7 @@ class StaticLlama:
         keys, values = self.keys[index], self.values[index]  # (1, kvh, capacity, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
+        keys, values = keys[:, :, :span], values[:, :, :span]
         # GQA without repeating the cache: the `group` query heads of one kv head become rows.
         group = self.heads // self.kv_heads
         q = q.reshape(B, self.kv_heads, group * T, self.head_dim)  # head g*group + r -> kv head g
@@ -206,18 +229,20 @@ class StaticLlama:
         out = out.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return attention.o_proj(out)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, aux_layers=()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, aux_layers=(), span: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final normed hidden (1, T, H), aux (1, T, 3H) or None): ids (1, T) at positions (T,), cache written.
 
         aux_layers: decoder layer indices whose outputs are concatenated (SGLang ids: layer i's output).
+        span: cache slots attended (every position must be below it); None = the whole cache.
         """
+        span = self.capacity if span is None else span
         x = self.model.model.embed_tokens(ids)  # (1, T, H)
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]  # (1, 1, T, hd)
-        mask = self.slots[None, :] <= positions[:, None]  # (T, capacity): a key slot is visible up to the query's position
-        mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, capacity): the rows of _attention's grouped queries
+        mask = self.slots[None, :span] <= positions[:, None]  # (T, span): a key slot is visible up to the query's position
+        mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attention's grouped queries
         saved = {}
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), positions, cos, sin, mask)
+            x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), positions, cos, sin, mask, span)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if index in aux_layers:
                 saved[index] = x
@@ -229,21 +254,22 @@ class StaticLlama:
         hidden, _ = self.forward(ids, positions)
         return self.model.lm_head(hidden)
 
-    def predict(self, ids, positions, aux_layers=(), last_only: bool = False):
+    def predict(self, ids, positions, aux_layers=(), last_only: bool = False, span: int | None = None):
         """(argmax token ids (1, T) or (1, 1) when last_only, aux or None): no vocab-sized tensor leaves the device."""
-        hidden, aux = self.forward(ids, positions, aux_layers)
+        hidden, aux = self.forward(ids, positions, aux_layers, span)
         if last_only:
             hidden = hidden[:, -1:]
         return self.model.lm_head(hidden).argmax(-1), aux
 
     def prefill(self, prompt_ids: list[int], aux_layers=()):
         ids = torch.tensor([prompt_ids], device=self.device)
-        return self.predict(ids, torch.arange(len(prompt_ids), device=self.device), aux_layers, last_only=True)
+        span = span_for(len(prompt_ids), self.capacity)
+        return self.predict(ids, torch.arange(len(prompt_ids), device=self.device), aux_layers, last_only=True, span=span)
 
     # ---- greedy
 
-    def _greedy_step(self) -> None:
-        predicted, _ = self.predict(self.token, self.position)
+    def _greedy_step(self, span: int) -> None:
+        predicted, _ = self.predict(self.token, self.position, span=span)
         self.token.copy_(predicted)
         self.position.add_(1)
 
@@ -252,14 +278,16 @@ class StaticLlama:
         """Same result as eyrie.speculative.greedy_decode: one replay and one host read per token."""
         start = time.perf_counter()
         self.ensure_capacity(needed_capacity(len(prompt_ids), max_new_tokens))
-        if self.greedy_step is None:  # captured before the prefill: its warm-up writes cache slots
-            self.greedy_step = Replay(self._greedy_step, self.use_graphs)
+        for span in spans_up_to(self.capacity):  # captured before the prefill: their warm-ups write cache slots
+            if span not in self.greedy_steps:
+                self.greedy_steps[span] = Replay(functools.partial(self._greedy_step, span), self.use_graphs)
         predicted, _ = self.prefill(prompt_ids)
         self.token.copy_(predicted[:, -1:])
         self.position.fill_(len(prompt_ids))
         tokens, forwards = [int(self.token)], 1
         while not _finished(tokens, max_new_tokens, stop_ids):
-            self.greedy_step()
+            position = len(prompt_ids) + len(tokens) - 1  # of self.token, which this step feeds
+            self.greedy_steps[span_for(position + 1, self.capacity)]()
             tokens.append(int(self.token))
             forwards += 1
         return DecodeResult(tokens, time.perf_counter() - start, forwards)
@@ -329,7 +357,7 @@ class StaticEagle3:
         self.target, self.drafter = target, drafter
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(target.layers)))
-        self.k, self.round = None, None
+        self.k, self.rounds = None, {}
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
@@ -339,17 +367,19 @@ class StaticEagle3:
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.slots = torch.arange(capacity, device=self.device)
-        self.round = None  # its graph points at the old buffers
+        self.capacity = capacity
+        self.rounds = {}  # their graphs point at the old buffers
 
-    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,)."""
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
+        """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,), attending to `span` slots."""
+        span = self.capacity if span is None else span
         drafter = self.drafter
         x, cos, sin = drafter.layer_inputs(hidden, ids, positions[None])
         q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, T, hd)
         self.keys.index_copy_(2, positions, k)
         self.values.index_copy_(2, positions, v)
-        mask = self.slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, capacity)
-        attended = drafter.midlayer.self_attn.attend(q, [(self.keys, self.values, mask)])
+        mask = self.slots[None, None, None, :span] <= positions[None, None, :, None]  # (1, 1, T, span)
+        attended = drafter.midlayer.self_attn.attend(q, [(self.keys[:, :, :span], self.values[:, :, :span], mask)])
         return drafter.layer_output(hidden, attended)
 
     def draft_token(self, out: torch.Tensor) -> torch.Tensor:
@@ -368,22 +398,22 @@ class StaticEagle3:
         self.ext_last = torch.zeros(1, dtype=torch.long, device=self.device)  # last real row: rows past it are padding
         self.round_out = torch.zeros(2 * k + 2, dtype=torch.long, device=self.device)  # [accepted, *predicted, *drafts]
 
-    def _round(self) -> None:
-        """Extend, draft k, verify, accept: every input and output is a static buffer."""
+    def _round(self, span: int) -> None:
+        """Extend, draft k, verify, accept: every input and output is a static buffer; attention over `span` slots."""
         target, k = self.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
         hidden = self.drafter.fc(self.ext_aux.to(self.dtype))  # (1, k+1, 3H) -> (1, k+1, H)
-        out = self.forward(hidden, self.ext_ids, self.ext_start + self.offsets)
+        out = self.forward(hidden, self.ext_ids, self.ext_start + self.offsets, span)
         out = out.index_select(1, self.ext_last)  # (1, 1, H): the last real row
         last = self.ext_start + self.ext_last  # (1,)
         drafts = [self.draft_token(out)]
         for j in range(1, k):  # chain: own output and the previous draft's embedding
-            out = self.forward(out, drafts[-1], last + j)
+            out = self.forward(out, drafts[-1], last + j, span)
             drafts.append(self.draft_token(out))
         drafts = torch.cat(drafts, dim=1)  # (1, k)
         # Verify [current, *drafts]; predicted[i] is the target's token after input i.
         ids = torch.cat([target.token, drafts], dim=1)  # (1, k+1)
-        predicted, aux = target.predict(ids, target.position + self.offsets, self.aux_layers)
+        predicted, aux = target.predict(ids, target.position + self.offsets, self.aux_layers, span=span)
         # Accept the longest agreeing prefix, then the target's own token (the bonus).
         accepted = (drafts[0] == predicted[0, :k]).long().cumprod(0).sum().view(1)  # (1,)
         # The next round's extend: features of current..current+k, the token after each (predicted), from `current`.
@@ -397,20 +427,21 @@ class StaticEagle3:
         self.round_out[1 : k + 2].copy_(predicted[0])
         self.round_out[k + 2 :].copy_(drafts[0])
 
-    def _round_for(self, k: int) -> Replay:
-        """The round for draft length k, captured once; another k replaces it (one graph held at a time)."""
-        if self.round is None or self.k != k:
-            self.round = None  # free the old graph before capturing the next
+    def _rounds_for(self, k: int) -> dict[int, Replay]:
+        """The rounds for draft length k, one per span, captured once; another k replaces them."""
+        if not self.rounds or self.k != k:
+            self.rounds = {}  # free the old graphs before capturing the next
             self._buffers(k)
-            self.target.token.zero_()
-            self.target.position.zero_()  # warm-up runs write slots 0..2k, later overwritten by the prefill
-            self.round = Replay(self._round, self.target.use_graphs)
-        return self.round
+            for span in spans_up_to(self.capacity):
+                self.target.token.zero_()
+                self.target.position.zero_()  # warm-up runs write slots 0..2k, later overwritten by the prefill
+                self.rounds[span] = Replay(functools.partial(self._round, span), self.target.use_graphs)
+        return self.rounds
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, k: int) -> SpecResult:
         start_time = time.perf_counter()
         target = self.target
-        run_round = self._round_for(k)  # captured before the prefills: its warm-up writes cache slots
+        rounds = self._rounds_for(k)  # captured before the prefills: their warm-ups write cache slots
         predicted, aux = target.prefill(prompt_ids, self.aux_layers)  # (1, P), (1, P, 3H)
         first = predicted[:, -1:]
         count = len(prompt_ids)
@@ -427,7 +458,8 @@ class StaticEagle3:
         forwards, lengths, accepted_per_position = 1, [], [0] * k
         self.drafted = []  # per round: the k drafts, for tests and diagnosis
         while not _finished(tokens, max_new_tokens, stop_ids):
-            run_round()
+            current = count + len(tokens) - 1  # position of target.token; the round writes slots up to current + k
+            rounds[span_for(current + k + 1, self.capacity)]()
             out = self.round_out.tolist()  # the round's one host sync
             accepted, predicted = out[0], out[1 : k + 2]
             self.drafted.append(out[k + 2 :])
