@@ -733,3 +733,28 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path):
     for key in w_one:
         assert torch.allclose(w_one[key].float(), w_two[key].float(), atol=1e-4), key
     assert sorted(p.name for p in (tmp_path / "two.state").iterdir()) == sorted(p.name for p in (tmp_path / "one.state").iterdir())
+
+
+def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
+    """train_step selects trained positions by flat index (no host sync per use); the rows are the bool masks' rows."""
+    import eyrie.ttt_attention as ttt_attention
+    from eyrie.train import pick_positions, positions_of, ttt_hidden
+
+    g = torch.Generator().manual_seed(7)
+    masks = [torch.rand(2, 13, generator=g) > 0.5 for _ in range(3)]
+    indices = positions_of(masks)
+    x = torch.randn(2, 13, 5)
+    for mask, index in zip(masks, indices):
+        assert index.dtype == torch.long and torch.equal(pick_positions(x, index), x[mask])
+    # Through ttt_hidden, also where flex pads L = 13 to 16 and the flat indices must move with the padding.
+    monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: 16 * -(-length // 16))
+    aux, ids, lengths = _attention_inputs()
+    real = torch.arange(13)[None, :] < lengths[:, None]
+    select = [m & real for m in masks]
+    model = tiny_model(Vd=40)
+    with torch.no_grad():
+        for attention in ("eager", "flex"):
+            by_mask = ttt_hidden(model, aux, ids, lengths, 3, select=select, attention=attention)
+            by_index = ttt_hidden(model, aux, ids, lengths, 3, select=positions_of(select), attention=attention)
+            for a, b in zip(by_mask, by_index):
+                assert a.shape == b.shape and a.shape[0] > 0 and torch.equal(a, b), attention

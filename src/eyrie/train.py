@@ -271,7 +271,8 @@ def ttt_hidden(
 
         Lp = padded_length(L, input_ids.device)
         aux, input_ids = _pad_time(aux, Lp), _pad_time(input_ids, Lp)
-        select = None if select is None else [_pad_time(m, Lp) for m in select]
+        if select is not None:  # bool masks gain padded columns; flat indices b * L + t move to b * Lp + t
+            select = [_pad_time(m, Lp) if m.dtype == torch.bool else m + (m // L) * (Lp - L) for m in select]
         # Built once per padded length (cached), while little memory is in use.
         block_masks = [ttt_block_mask(Lp, j + 1, str(input_ids.device)) for j in range(steps)]
     else:
@@ -308,9 +309,28 @@ def ttt_hidden(
             out = checkpoint(model.layer_output, hidden, attended, use_reentrant=False)
         else:
             out = model.layer_output(hidden, attended)
-        outs.append(out[:, :L] if select is None else out[select[j]])
+        outs.append(out[:, :L] if select is None else pick_positions(out, select[j]))
         hidden = out
     return outs
+
+
+def pick_positions(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """x[where] for a bool mask over x's first two dims, or the same rows by flat index (b * L + t) without a host sync."""
+    if where.dtype == torch.bool:
+        return x[where]
+    return x.reshape(-1, *x.shape[2:]).index_select(0, where)
+
+
+def positions_of(masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat indices (b * L + t) of each bool mask's True positions, all found with two host syncs.
+
+    Indexing with a bool mask syncs with the GPU each time (its result's size is data-dependent):
+    with 7 TTT steps and three uses per step that was about 40 stalls per training step.
+    """
+    stacked = torch.stack(masks).flatten(1)  # (S, B*L)
+    counts = stacked.sum(1).tolist()
+    flat = stacked.flatten().nonzero().squeeze(1) % stacked.shape[1]  # step-major, so split by counts
+    return list(flat.split(counts))
 
 
 def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int, select=None, **options) -> list[torch.Tensor]:
@@ -367,7 +387,8 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
     """
     B, L, H = final.shape
     Vd = draft_ids.numel()
-    rows = final[needed]
+    needed_index = needed.flatten().nonzero().squeeze(1)  # one host sync; index_select/index_copy_ below need none
+    rows = final.reshape(B * L, H).index_select(0, needed_index)
     N = rows.shape[0]
     chunk_rows = chunk_rows or _chunk_rows(lm_head.shape[0], final.device)
     probs = torch.empty(N, Vd, dtype=torch.float32, device=final.device)
@@ -378,11 +399,11 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
         probs[a : a + chunk_rows] = torch.softmax(logits[:, draft_ids], dim=-1)
         del logits
     draft_arg = torch.where(t2d[argmax], torch.searchsorted(draft_ids, argmax).clamp(max=Vd - 1), torch.full_like(argmax, -1))
-    row = torch.full((B, L), -1, dtype=torch.long, device=final.device)
-    row[needed] = torch.arange(N, device=final.device)
-    arg = torch.full((B, L), -1, dtype=torch.long, device=final.device)
-    arg[needed] = draft_arg
-    return probs, row, arg
+    row = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
+    row.index_copy_(0, needed_index, torch.arange(N, device=final.device))
+    arg = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
+    arg.index_copy_(0, needed_index, draft_arg)
+    return probs, row.view(B, L), arg.view(B, L)
 
 
 def needed_targets(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -435,13 +456,14 @@ def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, targ
     chunked: eyrie.draft_loss (never keeps [n_j, Vd] logits for backward); otherwise the plain
     formula of ttt_loss (the reference).
     """
+    rows, args = pick_positions(row, valid), pick_positions(arg, valid)  # valid: bool [B, L] or flat indices
     if chunked:
         from eyrie.draft_loss import chunked_soft_cross_entropy
 
-        return chunked_soft_cross_entropy(model.norm(out), model.lm_head.weight, target_probs, row[valid], arg[valid])
+        return chunked_soft_cross_entropy(model.norm(out), model.lm_head.weight, target_probs, rows, args)
     logits = model.head(out)
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(target_probs[row[valid]] * logp).sum(), (logits.argmax(-1) == arg[valid]).sum()
+    return -(target_probs[rows] * logp).sum(), (logits.argmax(-1) == args).sum()
 
 
 class TTTObjective(torch.nn.Module):
@@ -467,7 +489,8 @@ class TTTObjective(torch.nn.Module):
         for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
             loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss)
             loss = loss + (self.decay**j) * loss_sum / counts[j].clamp(min=1).to(loss_sum.dtype)
-            stats.append(torch.stack([loss_sum.detach().double(), correct.double(), torch.tensor(float(out.shape[0]), dtype=torch.float64, device=out.device)]))
+            count = torch.full((), float(out.shape[0]), dtype=torch.float64, device=out.device)  # a fill, not a host copy
+            stats.append(torch.stack([loss_sum.detach().double(), correct.double(), count]))
         return loss * weight, torch.stack(stats)
 
 
@@ -489,6 +512,8 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
     if distributed:
         torch.distributed.all_reduce(counts)
+    # Each step's trained positions as flat indices, found once: bool-mask indexing would stall on every use.
+    targets = [(index, row, arg) for index, (_, row, arg) in zip(positions_of([t[0] for t in targets]), targets)]
     device_type = batch["aux"].device.type
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
         loss, stats = objective(batch["aux"], batch["input_ids"], lengths, targets, target_probs, counts, weight)
@@ -497,7 +522,7 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     params = [p for p in inner.parameters() if p.requires_grad]
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
-    totals = torch.cat([stats.flatten() * (weight != 0), torch.tensor([float(batch["tokens"]) * (weight != 0)], dtype=torch.float64, device=stats.device)])
+    totals = torch.cat([stats.flatten() * (weight != 0), stats.new_full((1,), float(batch["tokens"]) * (weight != 0))])
     if distributed:
         torch.distributed.all_reduce(totals)
     totals = totals.tolist()  # the step's one host sync
