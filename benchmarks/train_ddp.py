@@ -21,16 +21,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import LLAMA_8B, SMALL, VARIANTS, build, random_batch, sync  # noqa: E402
+from train_throughput import LLAMA_8B, SMALL, VARIANTS, build, random_batch, timed_step  # noqa: E402
 
-from eyrie.train import data_parallel, rank_share, train_step  # noqa: E402
+from eyrie.train import data_parallel, rank_share  # noqa: E402
 
 LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
@@ -61,11 +60,7 @@ def run_steps(args, rank: int, world: int, device) -> dict:
         rows, weight = rank_share(list(range(args.rows)), rank, world)
         batch = take_rows(batch, rows)
         batch["weight"] = weight
-        sync(device)
-        t0 = time.perf_counter()
-        result = train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d, max_grad_norm=0.5, use_bf16=cuda)
-        sync(device)
-        elapsed = time.perf_counter() - t0
+        result, elapsed = timed_step(objective, optimizer, batch, target_head, draft_ids, t2d, device)
         losses.append(result["loss"])
         if step >= args.warmup:
             times.append(elapsed)

@@ -21,6 +21,7 @@ against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -119,6 +120,16 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def timed_step(objective, optimizer, batch: dict, target_head, draft_ids, t2d, device) -> tuple[dict, float]:
+    """(train_step's result, its seconds), the device synchronised on both sides."""
+    sync(device)
+    t0 = time.perf_counter()
+    result = train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d,
+                        max_grad_norm=0.5, use_bf16=torch.device(device).type == "cuda")
+    sync(device)
+    return result, time.perf_counter() - t0
+
+
 def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
     cuda = torch.device(device).type == "cuda"
     if cuda:
@@ -130,11 +141,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
     times, losses = [], []
     deadline = time.perf_counter() + args.max_seconds
     for i in range(args.warmup + args.steps):
-        sync(device)
-        t0 = time.perf_counter()
-        result = train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d, max_grad_norm=0.5, use_bf16=cuda)
-        sync(device)
-        elapsed = time.perf_counter() - t0
+        result, elapsed = timed_step(objective, optimizer, batch, target_head, draft_ids, t2d, device)
         losses.append(result["loss"])
         if i >= args.warmup:
             times.append(elapsed)
@@ -144,8 +151,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
             print(f"  {name}: time cap {args.max_seconds}s reached after {len(times)} measured steps", flush=True)
             break
     if cuda and name in args.profile.split(","):
-        profile_steps(name, lambda: train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d,
-                                               max_grad_norm=0.5, use_bf16=cuda))
+        profile_steps(name, functools.partial(timed_step, objective, optimizer, batch, target_head, draft_ids, t2d, device))
     step_s = statistics.median(times)
     out = {
         "tokens_per_second": batch["tokens"] / step_s,

@@ -18,6 +18,7 @@ with the same results.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass
@@ -99,12 +100,17 @@ def cache_keyword(model) -> str:
     Passing the wrong one is silent (it lands in **kwargs) and decodes every token without context:
     seen on an H200 with transformers 5.17, where the speculative baseline then accepted nothing.
     """
-    parameters = inspect.signature(type(model).forward).parameters
+    return _cache_keyword_of(type(model))
+
+
+@functools.cache
+def _cache_keyword_of(model_class) -> str:  # per class, not per decoded token: the baseline's loop is timed
+    parameters = inspect.signature(model_class.forward).parameters
     if "cache" in parameters:
         return "cache"
     if "past_key_values" in parameters:
         return "past_key_values"
-    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: cannot decode with a KV cache")
+    raise TypeError(f"{model_class.__name__}.forward takes neither `cache` nor `past_key_values`: cannot decode with a KV cache")
 
 
 def _forward(target, ids: list[int], cache: DynamicCache, hidden_states: bool = False, last_only: bool = False):
@@ -126,6 +132,18 @@ def _crop(cache: DynamicCache, length: int) -> None:
 
 def _finished(tokens: list[int], max_new_tokens: int, stop_ids) -> bool:
     return len(tokens) >= max_new_tokens or tokens[-1] in stop_ids
+
+
+def accept(drafts: list[int], predicted: list[int], accepted_per_position: list[int]) -> tuple[int, list[int]]:
+    """(accepted drafts, tokens the round yields): the longest prefix the target agrees with, then its own next token.
+
+    predicted[i] is the target's token after input i of [current, *drafts]; accepted_per_position counts agreements.
+    """
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
+        accepted_per_position[accepted] += 1
+        accepted += 1
+    return accepted, drafts[:accepted] + [predicted[accepted]]
 
 
 def _emit(tokens: list[int], new: list[int], max_new_tokens: int, stop_ids) -> list[int]:
@@ -194,11 +212,7 @@ def speculative_decode(
         predicted = out.logits[0].argmax(-1).tolist()
 
         # Accept: the longest agreeing prefix, then the target's own next token (the bonus).
-        accepted = 0
-        while accepted < k and drafts[accepted] == predicted[accepted]:
-            accepted_per_position[accepted] += 1
-            accepted += 1
-        new = drafts[:accepted] + [predicted[accepted]]
+        accepted, new = accept(drafts, predicted, accepted_per_position)
         emitted = _emit(tokens, new, max_new_tokens, stop_ids)
         tokens += emitted
         lengths.append(len(emitted))

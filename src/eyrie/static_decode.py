@@ -32,10 +32,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from eyrie.drafter import Eagle3Drafter
+from eyrie.drafter import Eagle3Drafter, rotate_half
 from eyrie.errors import EyrieError
 from eyrie.hidden import capture_indices
-from eyrie.speculative import DecodeResult, DraftSession, SpecResult, _emit, _finished
+from eyrie.speculative import DecodeResult, DraftSession, SpecResult, _emit, _finished, accept
 
 # Architectures whose decoder layer is exactly Llama's: pre-norm attention (q/k/v/o, biases allowed)
 # and a gated MLP, one rotary table, full attention everywhere.
@@ -216,8 +216,8 @@ class StaticLlama:
         q = attention.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (1, h, T, hd)
         k = attention.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, kvh, T, hd)
         v = attention.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         keys, values = self.keys[index], self.values[index]  # (1, kvh, capacity, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
@@ -322,22 +322,12 @@ class StaticLlama:
             ids = torch.tensor([[tokens[-1], *drafts]], device=self.device)
             predicted, aux = self.predict(ids, current_position + torch.arange(k + 1, device=self.device), aux_layers)
             forwards += 1
-            predicted = predicted[0].tolist()
-            accepted = 0
-            while accepted < k and drafts[accepted] == predicted[accepted]:
-                accepted_per_position[accepted] += 1
-                accepted += 1
-            new = drafts[:accepted] + [predicted[accepted]]
+            accepted, new = accept(drafts, predicted[0].tolist(), accepted_per_position)
             emitted = _emit(tokens, new, max_new_tokens, stop_ids)
             tokens += emitted
             lengths.append(len(emitted))
             pending = (aux[:, : accepted + 1], new, current_position)  # later slots are overwritten, not cropped
         return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_position)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 # --------------------------------------------------------------------------- drafter
