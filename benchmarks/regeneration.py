@@ -1,7 +1,8 @@
-"""Regeneration throughput of the in-process engine: padded batches vs transformers' continuous batching.
+"""Regeneration throughput of the in-process engine: padded, continuous and static batching.
 
 Side by side in one process, on the same prompts, through eyrie's own TransformersEngine:
     padded@B      one generate() per batch of B turns (every row runs until the longest ends)
+    static@B      the same batches on eyrie's static KV cache, one CUDA graph per decode step
     continuous    generate_batch over all prompts (paged KV cache, CUDA graphs, rows admitted as others end)
 Prints completion tokens/s of each and the ratio to the best padded variant; --out keeps every figure.
 
@@ -76,6 +77,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--longest-prompt", type=int, default=600, help="words in the longest synthetic prompt")
     parser.add_argument("--batch-sizes", default="64,256", help="padded variants")
+    parser.add_argument("--static-batch-sizes", default="256", help="static variants ('' for none)")
     parser.add_argument("--continuous-batch", type=int, default=0, help="turns handed to generate_batch at once (0 = all)")
     parser.add_argument("--small", action="store_true", help="CPU smoke test: 6 prompts, 8 new tokens")
     parser.add_argument("--out", type=Path)
@@ -86,7 +88,7 @@ def main() -> int:
     from eyrie.engine import TransformersEngine
 
     if args.small:
-        args.prompts, args.max_new_tokens, args.longest_prompt, args.batch_sizes = 6, 8, 40, "3"
+        args.prompts, args.max_new_tokens, args.longest_prompt, args.batch_sizes, args.static_batch_sizes = 6, 8, 40, "3", "3"
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
     with tempfile.TemporaryDirectory(prefix="eyrie-regen-") as tmp:
         model_dir = random_weight_copy(args.model, Path(tmp) / "model") if args.random_weights else args.model
@@ -96,12 +98,16 @@ def main() -> int:
         prompts = synthetic_prompts(engine, args.prompts, 0, args.longest_prompt)
         print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, up to {args.max_new_tokens} new tokens each", flush=True)
         warm = prompts[:4]
-        variants = [("padded", int(b)) for b in args.batch_sizes.split(",")] + [("continuous", args.continuous_batch or len(prompts))]
+        variants = [("padded", int(b)) for b in args.batch_sizes.split(",")]
+        variants += [("static", int(b)) for b in args.static_batch_sizes.split(",") if b]
+        variants += [("continuous", args.continuous_batch or len(prompts))]
         rows = []
         for batching, batch_size in variants:
             try:
                 measure(engine, warm, {**settings, "max_new_tokens": 8}, batching, batch_size)  # kernels, graphs, allocator
                 row = measure(engine, prompts, settings, batching, batch_size)
+                if batching == "static" and engine.fallback:
+                    row["ran_padded_because"] = engine.fallback
             except Exception as exc:  # one broken variant must not cost the others
                 row = {"batching": batching, "batch_size": batch_size, "error": f"{type(exc).__name__}: {exc}"[:500]}
             rows.append(row)

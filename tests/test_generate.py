@@ -129,6 +129,25 @@ def test_changed_settings_do_not_reuse_old_turns(tmp_path, engine):
     assert settings_key(SETTINGS, "fp") != settings_key(SETTINGS, "other model")
 
 
+def test_static_batching_gives_the_padded_engines_greedy_turns(engine):
+    """eyrie's static-cache loop answers exactly as transformers' padded generate(), in fp32, and reuses its cache."""
+    prompts = [engine.prompt_ids([{"role": "user", "content": text}]) for text in ("Name a fruit.", "What is 3+4? Explain.", "Say no.")]
+    settings = {**SETTINGS, "max_new_tokens": 12}
+    padded = engine.generate(prompts, settings)
+    engine.batching = "static"
+    try:
+        static = engine.generate(prompts, settings)
+        again = engine.generate(prompts[1:], {**settings, "max_new_tokens": 20})  # fewer rows, a bigger budget: regrown
+        sampled = engine.generate(prompts[:1], {**settings, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 1})
+    finally:
+        engine.batching = "padded"
+    assert engine.static is not None and engine.fallback is not None and "sampling" in engine.fallback
+    as_tuples = lambda turns: [(t.reply, t.finish_reason, t.completion_tokens, t.prompt_tokens) for t in turns]  # noqa: E731
+    assert as_tuples(static) == as_tuples(padded)
+    assert as_tuples(again) == as_tuples(engine.generate(prompts[1:], {**settings, "max_new_tokens": 20}))
+    assert sampled[0].completion_tokens > 0
+
+
 def test_continuous_batching_gives_the_padded_engines_greedy_turns(engine):
     """transformers' continuous batching answers exactly as padded batches do, in fp32."""
     prompts = [engine.prompt_ids([{"role": "user", "content": text}]) for text in ("Name a fruit.", "What is 3+4? Explain.", "Say no.")]

@@ -269,3 +269,65 @@ def test_static_decoder_on_the_default_target_is_greedy_and_lossless(target, pro
             result = speculative_decode(engine, drafter, prompt, MAX_NEW, stop_ids, draft_tokens=k)
             assert result.tokens == expected
             assert sum(result.acceptance_lengths) == len(result.tokens) - 1
+
+
+# --------------------------------------------------------------------------- batched greedy (regeneration)
+
+
+def padded_generate(model, prompts, max_new, stop_ids, pad=0):
+    """transformers' left-padded greedy generate(), each row cut after its first stop token."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]
+    rows = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=sorted(stop_ids) or None, pad_token_id=pad)[:, width:].tolist()
+    return [cut_at_stop(row, stop_ids) for row in rows]
+
+
+def cut_at_stop(row, stop_ids):
+    return next((row[: i + 1] for i, token in enumerate(row) if token in stop_ids), row)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_batched_greedy_equals_left_padded_generate(kind, monkeypatch):
+    """Rows of different lengths (one a single token), stop tokens, chunked prefill, then a smaller batch on the same cache."""
+    import eyrie.static_generate as static_generate
+
+    model = tiny_model(kind, vocab_size=50, initializer_range=0.2)
+    torch.manual_seed(3)
+    prompts = [torch.randint(1, 50, (n,)).tolist() for n in (5, 17, 1, 30, 9)]
+    stop = {7}
+    expected = padded_generate(model, prompts, 40, stop)
+    assert {len(r) for r in expected} != {40}, "some rows must stop early for the test to mean something"
+    loop = static_generate.BatchedGreedy(model, 0, stop, cuda_graphs=False)
+    assert [cut_at_stop(r, stop) for r in loop.generate(prompts, 40)] == expected
+    assert [cut_at_stop(r, stop) for r in loop.generate(prompts[3:], 40)] == expected[3:]
+    monkeypatch.setattr(static_generate, "PREFILL_TOKENS", 40)  # one row per prefill chunk
+    chunked = static_generate.BatchedGreedy(model, 0, stop, cuda_graphs=False).generate(prompts, 40)
+    assert [cut_at_stop(r, stop) for r in chunked] == expected
+
+
+def test_batched_greedy_across_attention_spans_and_early_exit():
+    """Rows growing from the 256-slot span into 512; a batch whose rows all stop returns before the budget."""
+    from eyrie.static_generate import CHECK_EVERY, BatchedGreedy
+
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 5, (n,), generator=generator).tolist() for n in (240, 100)]
+    loop = BatchedGreedy(model, 0, set(), cuda_graphs=False)
+    assert loop.generate(prompts, 60) == padded_generate(model, prompts, 60, set())
+    stops = {token for row in padded_generate(model, prompts, 3, set()) for token in row[:2]}
+    rows = loop.generate(prompts, 200)  # no stop ids: full length
+    early = BatchedGreedy(model, 0, stops, cuda_graphs=False).generate(prompts, 200)
+    assert len(rows[0]) == 200 and len(early[0]) <= CHECK_EVERY
+    assert [cut_at_stop(r, stops) for r in early] == padded_generate(model, prompts, 200, stops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_batched_greedy_graph_replays_equal_eager_runs():
+    from eyrie.static_generate import BatchedGreedy
+
+    model = tiny_model("llama", vocab_size=50, initializer_range=0.2).cuda()
+    prompts = [torch.randint(1, 50, (n,)).tolist() for n in (5, 300, 1, 30)]
+    eager = BatchedGreedy(model, 0, {7}, cuda_graphs=False).generate(prompts, 60)
+    assert BatchedGreedy(model, 0, {7}, cuda_graphs=True).generate(prompts, 60) == eager

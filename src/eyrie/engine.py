@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 
 from eyrie.batching import batches_by_tokens
@@ -26,12 +27,12 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
-BATCHING = ("padded", "continuous")
+BATCHING = ("padded", "continuous", "static")
 
 
 def check_batching(batching: str) -> str:
     if batching not in BATCHING:
-        raise ValueError(f"engine.batching must be padded or continuous, got {batching!r}")
+        raise ValueError(f"engine.batching must be one of {', '.join(BATCHING)}, got {batching!r}")
     return batching
 
 
@@ -41,6 +42,8 @@ class TransformersEngine:
     padded: one `generate` call per batch, left-padded; every row runs until the longest is done.
     continuous: transformers' `generate_batch`, which schedules requests over a paged KV cache,
     admits new ones as others finish and replays CUDA graphs; same tokens, far fewer wasted steps.
+    static: padded rows on eyrie's own static KV cache, one CUDA graph per step (static_generate);
+    greedy settings on Llama-structured targets only, anything else runs padded (`fallback` says why).
     """
 
     def __init__(
@@ -61,6 +64,8 @@ class TransformersEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.stop_ids = self._stop_ids()
+        self.static = None  # the BatchedGreedy loop, built on first use
+        self.fallback: str | None = None  # why batching: static ran padded instead
 
     def _stop_ids(self) -> set[int]:
         configured = self.model.generation_config.eos_token_id
@@ -88,7 +93,12 @@ class TransformersEngine:
         )
 
     def generate(self, prompts: list[list[int]], settings: dict) -> list[TurnResult]:
-        rows = self._continuous(prompts, settings) if self.batching == "continuous" else self._padded(prompts, settings)
+        if self.batching == "continuous":
+            rows = self._continuous(prompts, settings)
+        elif self.batching == "static" and self._static_usable(settings):
+            rows = self.static.generate(prompts, settings["max_new_tokens"])
+        else:
+            rows = self._padded(prompts, settings)
         return [self._turn(prompt, row) for prompt, row in zip(prompts, rows)]
 
     def _padded(self, prompts: list[list[int]], settings: dict) -> list[list[int]]:
@@ -101,6 +111,22 @@ class TransformersEngine:
         with torch.inference_mode():
             output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config(settings))
         return output[:, width:].tolist()
+
+    def _static_usable(self, settings: dict) -> bool:
+        """Whether batching: static can run these settings; says once (stderr, so the job log) why not."""
+        from eyrie.static_decode import unsupported_reason
+
+        reason = "sampling (temperature > 0); the static loop is greedy" if settings["temperature"] > 0 else unsupported_reason(self.model)
+        if reason is None:
+            if self.static is None:
+                from eyrie.static_generate import BatchedGreedy
+
+                self.static = BatchedGreedy(self.model, self.tokenizer.pad_token_id, self.stop_ids)
+            return True
+        if self.fallback != reason:
+            self.fallback = reason
+            warnings.warn(f"engine.batching: static runs these turns padded instead: {reason}")
+        return False
 
     def _continuous(self, prompts: list[list[int]], settings: dict) -> list[list[int]]:
         import torch

@@ -169,6 +169,8 @@ class StaticLlama:
     `forward` is the one code path: prefill, greedy step, verify and the tests' logits all use it.
     """
 
+    rows = 1  # cache rows (sequences); BatchedGreedy holds many
+
     def __init__(self, model, capacity: int = 512, cuda_graphs: bool | None = None):
         check_supported(model)
         self.model, self.config = model, model.config
@@ -195,7 +197,7 @@ class StaticLlama:
         if length <= self.capacity:
             return
         self.capacity = round_up(length)
-        shape = (len(self.layers), 1, self.kv_heads, self.capacity, self.head_dim)
+        shape = (len(self.layers), self.rows, self.kv_heads, self.capacity, self.head_dim)
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.slots = torch.arange(self.capacity, device=self.device)
@@ -210,15 +212,15 @@ class StaticLlama:
 
     # ---- the forward
 
-    def _attention(self, index: int, attention, x, positions, cos, sin, mask, span: int):
-        """One layer's attention over the first `span` cache slots, after writing this forward's K/V at `positions`."""
+    def _attention(self, keys, values, attention, x, positions, cos, sin, mask, span: int):
+        """One layer's attention over the first `span` slots of its cache keys/values (B, kvh, capacity, hd),
+        after writing this forward's K/V at slots `positions` (T,)."""
         B, T, _ = x.shape
         q = attention.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (1, h, T, hd)
         k = attention.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, kvh, T, hd)
         v = attention.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        keys, values = self.keys[index], self.values[index]  # (1, kvh, capacity, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
         keys, values = keys[:, :, :span], values[:, :, :span]
@@ -242,7 +244,8 @@ class StaticLlama:
         mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attention's grouped queries
         saved = {}
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), positions, cos, sin, mask, span)
+            keys, values = self.keys[index], self.values[index]
+            x = x + self._attention(keys, values, layer.self_attn, layer.input_layernorm(x), positions, cos, sin, mask, span)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if index in aux_layers:
                 saved[index] = x
