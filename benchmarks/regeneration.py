@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--longest-prompt", type=int, default=600, help="words in the longest synthetic prompt")
     parser.add_argument("--batch-sizes", default="64,256", help="padded variants")
     parser.add_argument("--static-batch-sizes", default="256", help="static variants ('' for none)")
-    parser.add_argument("--continuous-batch", type=int, default=0, help="turns handed to generate_batch at once (0 = all)")
+    parser.add_argument("--continuous-batch", type=int, default=0, help="turns handed to generate_batch at once (0 = all, -1 = skip continuous)")
     parser.add_argument("--small", action="store_true", help="CPU smoke test: 6 prompts, 8 new tokens")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -100,7 +100,7 @@ def main() -> int:
         warm = prompts[:4]
         variants = [("padded", int(b)) for b in args.batch_sizes.split(",")]
         variants += [("static", int(b)) for b in args.static_batch_sizes.split(",") if b]
-        variants += [("continuous", args.continuous_batch or len(prompts))]
+        variants += [("continuous", args.continuous_batch or len(prompts))] if args.continuous_batch >= 0 else []
         rows = []
         for batching, batch_size in variants:
             try:

@@ -11,7 +11,11 @@ rule extract_hidden:
         aux_layer_ids=config["drafter"]["aux_layer_ids"],
         hidden=canonical(config["hidden"]),
         model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),
-    threads: workflow.cores
+    # On a GPU the forward is a small share of a job (model load, writing the cache): a few cores each let
+    # shards overlap on one card (`--resources gpu=N` caps how many); on the CPU a shard takes every core.
+    threads: workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)
+    resources:
+        gpu=int(config["model"]["device"] == "cuda"),
     log:
         "logs/hidden/{dataset}/{shard}.log",
     benchmark:
