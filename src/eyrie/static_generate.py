@@ -32,11 +32,11 @@ class BatchedGreedy(StaticLlama):
     """Greedy continuations of many prompts on one static cache; same tokens as transformers' left-padded generate()."""
 
     def __init__(self, model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None):
-        self.rows, self.max_new, self.steps = round_up(rows, ROW_STEP), 1, {}
+        self.rows, self.max_new, self.steps = round_up(rows, ROW_STEP), 0, {}
         super().__init__(model, capacity, cuda_graphs)
         self.pad_id = int(pad_id)
         self.stop = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=self.device)
-        self._allocate(self.rows, self.capacity, self.max_new)
+        # Row buffers and graphs come with the first generate(), sized for its budget.
 
     @torch.inference_mode()
     def _allocate(self, rows: int, capacity: int, max_new: int) -> None:
@@ -70,7 +70,8 @@ class BatchedGreedy(StaticLlama):
     def _emit(self, predicted: torch.Tensor) -> None:
         """Store each row's new token (padding once finished) and feed it to the next step."""
         predicted = torch.where(self.done, self.pad_id, predicted)
-        self.out.index_copy_(1, self.step, predicted[:, None])
+        # Clamped for the capture warm-ups, which run past the budget; a real decode stays below it.
+        self.out.index_copy_(1, self.step.clamp(max=self.max_new - 1), predicted[:, None])
         self.done |= (predicted[:, None] == self.stop[None]).any(-1)
         self.next_ids.copy_(predicted[:, None])
         self.step.add_(1)
