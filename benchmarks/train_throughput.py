@@ -9,8 +9,11 @@ process:
                   foreach AdamW (the code before this change; the lean RMSNorm backward is shared)
     flex+chunked  flex attention (compiled) + chunked loss, bf16 frozen tensors, fused AdamW
     +recompute    the same with train.recompute_mlp
+    +compiled     flex+chunked with train.compile: the layer's elementwise work (casts, RMSNorms,
+                  rotary, residual adds, SiLU * up) fused by torch.compile (eyrie.compiled_layers)
 
-Each: tokens/s (median step time after warm-up, compile included in warm-up) and peak memory
+Each: tokens/s (median step time after warm-up; flex attention and train.compile compile in the
+first warm-up step, so no timed step includes compile time) and peak memory
 (torch.cuda.max_memory_allocated, reset between variants; model + optimizer + step), then ratios
 against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex attention).
 
@@ -39,9 +42,10 @@ SPECFORGE_PEAK_GIB = 13.0
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000, vocab=128256)
 SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=200, vocab=500)
 VARIANTS = {
-    "baseline": dict(attention="eager", chunked_loss=False, recompute_mlp=False, frozen_bf16=False, fused_adam=False),
-    "flex+chunked": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None),
-    "flex+chunked+recompute": dict(attention="flex", chunked_loss=True, recompute_mlp=True, frozen_bf16=True, fused_adam=None),
+    "baseline": dict(attention="eager", chunked_loss=False, recompute_mlp=False, frozen_bf16=False, fused_adam=False, compile=False),
+    "flex+chunked": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None, compile=False),
+    "flex+chunked+recompute": dict(attention="flex", chunked_loss=True, recompute_mlp=True, frozen_bf16=True, fused_adam=None, compile=False),
+    "flex+chunked+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None, compile=True),
 }
 
 
@@ -102,7 +106,8 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     with torch.no_grad():
         model.lm_head.weight.copy_(target_head[draft_ids.to(device)].float())
     optimizer = make_optimizer(model, 1e-4, 0.0, fused=variant["fused_adam"])
-    objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"], recompute_mlp=variant["recompute_mlp"])
+    objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
+                             recompute_mlp=variant["recompute_mlp"], compile=variant["compile"])
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
@@ -150,6 +155,9 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         if i >= args.warmup and time.perf_counter() > deadline:
             print(f"  {name}: time cap {args.max_seconds}s reached after {len(times)} measured steps", flush=True)
             break
+    compiled = objective.compiled
+    if compiled is not None and compiled.error is not None:  # the figures are then eager ones
+        print(f"  {name}: train.compile FELL BACK TO EAGER: {compiled.error}", flush=True)
     if cuda and name in args.profile.split(","):
         profile_steps(name, functools.partial(timed_step, objective, optimizer, batch, target_head, draft_ids, t2d, device))
     step_s = statistics.median(times)
@@ -161,6 +169,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "positions_trained_step0": result["stats"][0][2],
         "dynamo_unique_graphs": _compiled_graphs(),  # cumulative; growing every step would mean flex recompiles
+        "compile_fallback": None if compiled is None else compiled.error,  # set: train.compile ran eagerly
     }
     del objective, optimizer, target_head, batch
     gc.collect()
@@ -189,7 +198,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; 64 with --small)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--ttt-steps", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (flex compiles here)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (flex and train.compile compile here)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--max-seconds", type=float, default=45.0, help="stop timing a variant after this long")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")

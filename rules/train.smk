@@ -11,7 +11,7 @@ rule train_drafter:
     params:
         drafter=canonical(config["drafter"]),
         train=canonical(config["train"]),
-        # Every train.* key (attention, recompute_mlp, ...) is in params: a change reruns training.
+        # Every train.* key (attention, recompute_mlp, compile, ...) is in params: a change reruns training.
         # Resume state lives outside the declared output, which is written once at the end.
         state_dir="results/partial/train",
     threads: workflow.cores

@@ -24,6 +24,16 @@ def test_default_and_tiny_configs_are_valid_and_get_defaults():
         for spec in checked["datasets"].values():
             assert {"format", "limit", "shards", "heldout_fraction", "on_bad_record"} <= set(spec)
     assert cfg.load(TINY_CONFIG)["datasets"]["local"]["format"] == "auto"
+    assert cfg.load(TINY_CONFIG)["train"]["compile"] is False  # opt-in
+
+
+def test_train_and_drafter_defaults_mirror_the_schema():
+    """eyrie.train fills partial sections (library callers, tests) with the schema's defaults."""
+    from eyrie.train import DRAFTER_DEFAULTS, TRAIN_DEFAULTS
+
+    schema = cfg.load_schema()["properties"]
+    for section, defaults in (("train", TRAIN_DEFAULTS), ("drafter", DRAFTER_DEFAULTS)):
+        assert {k: v["default"] for k, v in schema[section]["properties"].items()} == defaults, section
 
 
 def test_validation_does_not_mutate_its_input():
@@ -43,6 +53,7 @@ def test_validation_does_not_mutate_its_input():
         (lambda c: c["generation"].update(temperature=-1), "generation.temperature: expected a value >= 0"),
         (lambda c: c.pop("model"), "(top level): 'model' is a required property"),
         (lambda c: c["datasets"]["local"]["source"].update(hf={"path": "x"}), "datasets.local.source"),
+        (lambda c: c["train"].update(compile="yes"), "train.compile: expected type boolean, got \"yes\""),
     ],
 )
 def test_bad_config_names_the_key_and_what_was_expected(change, expected):

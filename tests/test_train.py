@@ -689,8 +689,10 @@ def test_objective_with_chunked_loss_equals_the_reference_loss():
 # --------------------------------------------------------------------------- data parallel
 
 
-def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path):
-    """torchrun, 2 gloo ranks, same global batches: the loss curve and final weights of one rank."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
+    """torchrun, 2 gloo ranks, same global batches: the loss curve and final weights of one (eager) rank;
+    also with train.compile in the ranks (compiled pieces inside DistributedDataParallel's forward)."""
     import os
     import subprocess
     import sys
@@ -708,7 +710,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path):
         "out_dir": str(tmp_path / "two"),
         "state_dir": str(tmp_path / "two.state"),
         "drafter_cfg": {"ttt_steps": 3},
-        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train},
+        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train, "compile": compile},
         "template_sha256": TEMPLATE,
         "target_fingerprint": FINGERPRINT,
         "progress": False,
@@ -728,6 +730,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path):
     for a, b in zip(log_one, log_two):
         assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (a["step"], a["loss"], b["loss"])
         assert a["positions_per_step"] == b["positions_per_step"]
+        assert b.get("compiled", False) is compile  # compiled throughout, no fallback
     w_one = load_file(str(tmp_path / "one" / "model.safetensors"))
     w_two = load_file(str(tmp_path / "two" / "model.safetensors"))
     for key in w_one:
@@ -758,3 +761,135 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
             by_index = ttt_hidden(model, aux, ids, lengths, 3, select=positions_of(select), attention=attention)
             for a, b in zip(by_mask, by_index):
                 assert a.shape == b.shape and a.shape[0] > 0 and torch.equal(a, b), attention
+
+
+# --------------------------------------------------------------------------- train.compile (eyrie.compiled_layers)
+
+
+def _train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5):
+    """One train_step on a tiny drafter: (result, gradients, the objective's CompiledLayers)."""
+    from eyrie.train import TTTObjective, make_optimizer, train_step
+
+    model = tiny_model(Vd=40).train()
+    g = torch.Generator().manual_seed(seed)
+    H, V = 32, 120
+    lengths = torch.tensor([L] + [max(3, L - 4)] * (B - 1))  # padded rows too
+    batch = {
+        "aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g),
+        "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2,
+        "lengths": lengths, "tokens": int(lengths.sum()),
+    }
+    objective = TTTObjective(model, 3, 0.8, attention=attention, recompute_mlp=recompute_mlp, compile=compile)
+    optimizer = make_optimizer(model, 1e-2, 0.0)
+    result = train_step(objective, optimizer, batch, target_lm_head=torch.randn(V, H, generator=g), draft_ids=torch.arange(40) + model.d2t,
+                        t2d=model.t2d, max_grad_norm=1e6, use_bf16=use_bf16)  # no clipping: the raw gradients are compared
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return result, grads, objective.compiled
+
+
+def _compiled_graphs() -> dict[str, int]:
+    """Dynamo's cache entries (compiled graphs) of each compiled piece."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from eyrie.compiled_layers import PIECES
+
+    return {name: len(_debug_get_cache_entry_list(fn)) for name, fn in PIECES.items()}
+
+
+@pytest.mark.parametrize("attention, recompute_mlp", [("eager", False), ("flex", False), ("flex", True), ("eager", True)])
+def test_compiled_train_step_equals_eager_in_float32(monkeypatch, attention, recompute_mlp):
+    """train.compile: one train_step's loss, per-step stats and every gradient are eager's (float32);
+    flex attention with L = 13 padded to 16, as CUDA pads to whole tiles.
+
+    (Not the updated weights: AdamW divides by sqrt(v), so a gradient element near zero turns a 1e-8
+    difference into a visible step difference.)"""
+    import eyrie.ttt_attention as ttt_attention
+
+    monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: 16 * -(-length // 16))
+    eager, eager_grads, none = _train_step_once(False, attention, recompute_mlp)
+    result, grads, compiled = _train_step_once(True, attention, recompute_mlp)
+    assert none is None and compiled.error is None, compiled.error  # ran compiled: no fallback
+    assert all(n >= 1 for n in _compiled_graphs().values()), _compiled_graphs()
+    assert abs(result["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"]), (result["loss"], eager["loss"])
+    for (loss, correct, count), (eager_loss, eager_correct, eager_count) in zip(result["stats"], eager["stats"]):
+        assert count == eager_count > 0 and correct == eager_correct and abs(loss - eager_loss) <= 1e-6 * abs(eager_loss)
+    assert grads.keys() == eager_grads.keys() and len(grads) == 13  # every trained tensor, the head included
+    for name, grad in eager_grads.items():
+        assert grad.abs().max() > 0, name  # not vacuous
+        assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-6), (name, (grads[name] - grad).abs().max())
+
+
+def test_compiled_train_step_under_bf16_autocast():
+    """bf16 autocast (as on CUDA), flex attention and MLP recompute: compiled matches eager within bf16 rounding."""
+    eager, eager_grads, _ = _train_step_once(False, "flex", True, use_bf16=True)
+    result, grads, compiled = _train_step_once(True, "flex", True, use_bf16=True)
+    assert compiled.error is None, compiled.error
+    assert abs(result["loss"] - eager["loss"]) <= 1e-3 * abs(eager["loss"])
+    for name, grad in eager_grads.items():  # inductor rounds to bf16 once per fused kernel, eager once per op
+        assert (grads[name] - grad).abs().max() <= 0.05 * grad.abs().max(), name
+
+
+def test_compiled_layers_do_not_recompile_for_new_batch_shapes():
+    """dynamic=True: new row counts and lengths reuse the graphs (a one-row batch specialises once)."""
+    _train_step_once(True, "eager", False, B=2, L=13)
+    before = _compiled_graphs()
+    for B, L in ((3, 20), (2, 7), (4, 11)):
+        assert _train_step_once(True, "eager", False, B=B, L=L)[2].error is None
+    assert _compiled_graphs() == before
+
+
+def test_compile_failure_mid_step_falls_back_to_eager_and_recomputes_along_the_same_path(monkeypatch):
+    """A piece that fails to compile in TTT step 1 runs eagerly from then on; MLP recompute replays each
+    piece's path (step 0 compiled, later steps eager), so backward still works and gives eager's gradients."""
+    from eyrie import compiled_layers
+
+    real, calls = compiled_layers._compiled, {"mlp_input": 0}
+
+    def failing(name):
+        if name != "mlp_input":
+            return real(name)
+
+        def run(*args):
+            calls["mlp_input"] += 1
+            if calls["mlp_input"] == 2:  # the forward of TTT step 1 (the recompute replays without asking again)
+                raise RuntimeError("simulated inductor failure")
+            return real(name)(*args)
+
+        return run
+
+    monkeypatch.setattr(compiled_layers, "_compiled", failing)
+    eager, eager_grads, _ = _train_step_once(False, "flex", True)
+    with pytest.warns(RuntimeWarning, match="train.compile: torch.compile failed, training goes on eagerly.*simulated inductor failure"):
+        result, grads, compiled = _train_step_once(True, "flex", True)
+    assert compiled.error.startswith("mlp_input: RuntimeError: simulated inductor failure") and not compiled.active
+    assert calls["mlp_input"] == 3  # step 0's forward, step 1's failed attempt, step 0's recompute
+    assert abs(result["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"])
+    for name, grad in eager_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_training_without_a_cxx_compiler_falls_back_to_eager_and_logs_it(tmp_path, monkeypatch):
+    """Inductor without a working C++ compiler: train_drafter warns, trains eagerly (the eager run's losses)
+    and records the fallback in training_log.json and config.json."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # forget the graphs earlier tests compiled: this run must compile (and fail)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # no compiled kernels from the disk cache
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    try:
+        inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
+        run(tmp_path, inputs, "eager")
+        with pytest.warns(RuntimeWarning, match="train.compile: torch.compile failed.*C\\+\\+ compiler"):
+            summary = run(tmp_path, inputs, "compiled", train={"compile": True})
+    finally:
+        torch._dynamo.reset()
+    assert summary["compile"]["compiled"] is False and summary["compile"]["fallback"]["step"] == 1
+    assert "C++ compiler" in summary["compile"]["fallback"]["error"]
+    log = json.loads((tmp_path / "compiled" / "training_log.json").read_text())
+    eager_log = json.loads((tmp_path / "eager" / "training_log.json").read_text())
+    assert [e["compiled"] for e in log] == [False] * len(log) and "compiled" not in eager_log[0]
+    assert [e["loss"] for e in log] == [e["loss"] for e in eager_log]  # every step ran the eager code
+    config = json.loads((tmp_path / "compiled" / "config.json").read_text())
+    assert config["eyrie"]["train"]["compile"] is True and config["eyrie"]["metrics"]["compile"]["compiled"] is False

@@ -241,10 +241,15 @@ class DraftAttention(nn.Module):
     def project(self, x, cos, sin, repeat_kv: bool = True):
         """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA,
         or (B, kv_h, T, hd) with repeat_kv=False (for kernels that take GQA natively)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        return self.rotary_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, repeat_kv)
+
+    def rotary_heads(self, q, k, v, cos, sin, repeat_kv: bool = True):
+        """project after its three matrix products: q, k, v (B, T, width) split into heads, rotary on q and k
+        (elementwise only: train.compile fuses it, eyrie.compiled_layers)."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if not repeat_kv:

@@ -58,6 +58,7 @@ TRAIN_DEFAULTS = {
     "log_every": 10,
     "attention": "auto",
     "recompute_mlp": False,
+    "compile": False,
     "processes": 1,
 }
 STATE_JSON = "state.json"
@@ -253,6 +254,7 @@ def ttt_hidden(
     *,
     attention: str = "eager",
     recompute_mlp: bool = False,
+    compiled=None,
 ) -> list[torch.Tensor]:
     """The drafter's pre-norm output of each TTT step, aligned to the query position t.
 
@@ -263,6 +265,8 @@ def ttt_hidden(
     applied only where a loss is taken). attention: "eager" (DraftAttention.attend, the reference)
     or "flex" (eyrie.ttt_attention). recompute_mlp: keep only the MLP's input for backward and
     recompute the rest (about 230 MB less per step at the Llama-8B shape, one more MLP forward).
+    compiled: an eyrie.compiled_layers.CompiledLayers (train.compile) runs the layer's elementwise
+    work through torch.compile; None runs it eagerly.
     """
     B, L = input_ids.shape
     flex = attention == "flex"
@@ -289,26 +293,33 @@ def ttt_hidden(
     for j in range(steps):
         tokens = shift_left(input_ids, 1 + j)
         positions = (pos + j).unsqueeze(0).expand(B, Lp)
-        x, cos, sin = model.layer_inputs(hidden, tokens, positions)
-        if compute_dtype is not None:  # one cast shared by q, k, v (autocast would keep three copies)
-            x = x.to(compute_dtype)
+        if compiled is None:
+            x, cos, sin = model.layer_inputs(hidden, tokens, positions)
+            if compute_dtype is not None:  # one cast shared by q, k, v (autocast would keep three copies)
+                x = x.to(compute_dtype)
+        else:
+            x, cos, sin = compiled.layer_inputs(model, hidden, tokens, positions, compute_dtype)
         if flex:
             from eyrie.ttt_attention import flex_ttt_attention
 
-            q, k, v = attn.project(x, cos, sin, repeat_kv=False)
+            if compiled is None:
+                q, k, v = attn.project(x, cos, sin, repeat_kv=False)
+            else:  # q, k come out in v's dtype: the cast flex_ttt_attention makes, fused into the rotary
+                q, k, v = compiled.project(attn, x, cos, sin, repeat_kv=False, qk_as_v=True)
             keys.append(k)
             values.append(v)
             attended = attn.output(flex_ttt_attention(q, keys, values, block_masks[j]))
         else:
-            q, k, v = attn.project(x, cos, sin)
+            q, k, v = attn.project(x, cos, sin) if compiled is None else compiled.project(attn, x, cos, sin)
             blocks.append((k, v, mask0 if j == 0 else None))
             attended = attn.attend(q, blocks)
+        layer_output = model.layer_output if compiled is None else compiled.layer_output(model)
         if recompute_mlp:
             from torch.utils.checkpoint import checkpoint
 
-            out = checkpoint(model.layer_output, hidden, attended, use_reentrant=False)
+            out = checkpoint(layer_output, hidden, attended, use_reentrant=False)
         else:
-            out = model.layer_output(hidden, attended)
+            out = layer_output(hidden, attended)
         outs.append(out[:, :L] if select is None else pick_positions(out, select[j]))
         hidden = out
     return outs
@@ -467,13 +478,24 @@ def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, targ
 
 
 class TTTObjective(torch.nn.Module):
-    """The drafter's training loss as one module forward, so DistributedDataParallel can wrap it."""
+    """The drafter's training loss as one module forward, so DistributedDataParallel can wrap it.
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True, recompute_mlp: bool = False):
+    compile (train.compile): the layer's elementwise work runs through torch.compile
+    (eyrie.compiled_layers); self.compiled.error says why it fell back to eager, if it did.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
+                 recompute_mlp: bool = False, compile: bool = False):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay = steps, decay
         self.attention, self.chunked_loss, self.recompute_mlp = attention, chunked_loss, recompute_mlp
+        if compile:
+            from eyrie.compiled_layers import CompiledLayers
+
+            self.compiled = CompiledLayers()
+        else:
+            self.compiled = None
 
     def forward(self, aux, input_ids, lengths, targets, target_probs, counts, weight: float = 1.0):
         """(loss, stats [steps, 3] float64: per step loss sum, correct, count -- of these rows).
@@ -484,7 +506,7 @@ class TTTObjective(torch.nn.Module):
         """
         model = self.drafter
         outs = ttt_hidden(model, aux, input_ids, lengths, self.steps, select=[t[0] for t in targets],
-                          attention=self.attention, recompute_mlp=self.recompute_mlp)
+                          attention=self.attention, recompute_mlp=self.recompute_mlp, compiled=self.compiled)
         loss, stats = 0.0, []
         for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
             loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss)
@@ -965,7 +987,9 @@ def train_drafter(
     model.to(device)
     draft_ids_dev, t2d_dev = draft_ids.to(device), t2d.to(device)
     optimizer = make_optimizer(model, float(train_cfg["learning_rate"]), float(train_cfg["weight_decay"]))
-    objective = TTTObjective(model, ttt_steps, decay, attention=attention, recompute_mlp=bool(train_cfg["recompute_mlp"]))
+    objective = TTTObjective(model, ttt_steps, decay, attention=attention, recompute_mlp=bool(train_cfg["recompute_mlp"]),
+                             compile=bool(train_cfg["compile"]))
+    compiled = objective.compiled  # kept here: DDP hides the objective's attributes
 
     # ---- resume
     state_path = Path(state_dir)
@@ -986,6 +1010,7 @@ def train_drafter(
         f"train: {len(samples)} samples in {steps_per_epoch} batches of <= {batch_tokens} tokens, {total_steps} steps "
         f"({train_cfg['epochs']} epochs), {ttt_steps} TTT steps, draft vocab {Vd}, device {device}"
         f"{', bf16 autocast' if use_bf16 else ', fp32'}, {attention} attention"
+        + (", layer elementwise work compiled (train.compile)" if compiled is not None else "")
         + (f", {world} ranks" if world > 1 else "")
         + (f"; {truncated} samples truncated to {batch_tokens} tokens" if truncated else "")
         + (f"; {skipped} samples skipped (nothing to train)" if skipped else ""),
@@ -998,6 +1023,7 @@ def train_drafter(
         )
 
     last_save = time.perf_counter()
+    compile_fallback = None  # {"step", "error"} of the first step whose pieces could not be compiled
     model.train()
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
@@ -1014,6 +1040,9 @@ def train_drafter(
         )
         del batch
         elapsed = time.perf_counter() - t0
+        if compiled is not None and compiled.error is not None and compile_fallback is None:
+            compile_fallback = {"step": step + 1, "error": compiled.error}
+            _say(progress, f"train: train.compile failed in step {step + 1}; training goes on eagerly (the same training at eager speed): {compiled.error}")
         tokens_done += result["tokens"]
         seconds_done += elapsed
         window["total"] += result["loss"]
@@ -1037,6 +1066,8 @@ def train_drafter(
                 **_window_entry(window, ttt_steps),
                 "tokens_per_second": window["tokens"] / max(window["seconds"], 1e-9),
             }
+            if compiled is not None:  # False once compiling failed and the steps run eagerly
+                entry["compiled"] = compiled.active
             log.append(entry)
             acc = ["n/a" if a is None else f"{a:.3f}" for a in entry["acc_per_step"]]
             _say(
@@ -1069,6 +1100,8 @@ def train_drafter(
         "draft_vocab_size": Vd,
         "ttt_steps": ttt_steps,
     }
+    if compiled is not None:
+        summary["compile"] = {"compiled": compiled.active, "fallback": compile_fallback}
     tensors = checkpoint_tensors(model, weight_dtype) if rank == 0 else None
     config = shape.sglang_config(torch_dtype=str(weight_dtype).removeprefix("torch."))
     config["eyrie"] = {
@@ -1077,7 +1110,7 @@ def train_drafter(
         "drafter": drafter_cfg,
         "train": train_cfg,
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
-        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second")}},
+        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile") if k in summary}},
     }
     if rank == 0:
         _write_output(Path(out_dir), config, tensors, log)
