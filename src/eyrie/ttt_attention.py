@@ -82,7 +82,14 @@ def _ttt_mask_mod(key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
     return mask_mod
 
 
-@functools.lru_cache(maxsize=64)
+# Every (padded length, TTT step) of a run: 16 lengths up to 2,048 x 7 steps = 112. A smaller cache
+# thrashes when an epoch visits lengths in random order, rebuilding masks every step.
+MASK_CACHE_SIZE = 512
+# None: torch.compile's default (the first shape compiles static, the first change recompiles dynamic).
+FLEX_DYNAMIC: bool | None = None
+
+
+@functools.lru_cache(maxsize=MASK_CACHE_SIZE)
 def ttt_block_mask(length: int, blocks: int, device: str):
     """BlockMask for queries [0, length) over `blocks` concatenated key blocks of `length` each.
 
@@ -98,10 +105,10 @@ def ttt_block_mask(length: int, blocks: int, device: str):
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(dynamic: bool | None):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask) -> torch.Tensor:
@@ -118,7 +125,7 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     enable_gqa = q.shape[1] != k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if q.is_cuda:
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        return _compiled_flex(FLEX_DYNAMIC)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     return dense_ttt_attention(q, k, v, block_mask.mask_mod, scale, enable_gqa)
 
 
