@@ -7,8 +7,9 @@ H 576, draft vocab 14,294, 7 TTT steps) on random features in batches planned ex
 plans them (eyrie.train.plan_batches over ShareGPT-like lengths, 16,384 tokens per batch, epoch order
 shuffled), each variant in its own process with an empty inductor cache, i.e. a fresh job:
 
-    default   torch.compile(flex_attention): the first shape compiles static, the first change dynamic
-    dynamic   torch.compile(flex_attention, dynamic=True) from the first step
+    default         torch.compile(flex_attention): the first shape compiles static, the first change dynamic
+    dynamic         torch.compile(flex_attention, dynamic=True) from the first step
+    dynamic+2tiles  and lengths padded to at least two 128-token tiles (one tile recompiled: size-1 dims)
 
 Prints per variant the seconds for the first N steps, the warm median step, the warm-up overhead
 (total - N x warm median) and compiled graphs, then the ratio of overheads. CUDA only (flex attention
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import SMALL, VARIANTS, _compiled_graphs, build, random_batch, timed_step  # noqa: E402
 
 SMOLLM2 = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, draft_vocab=14294, vocab=49152)
-FLEX_SETTINGS = {"default": None, "dynamic": True}
+FLEX_SETTINGS = {"default": (None, 1), "dynamic": (True, 1), "dynamic+2tiles": (True, 2)}  # (dynamic, fewest tiles)
 
 
 def sample_lengths(count: int, seed: int, longest: int) -> list[int]:
@@ -49,7 +50,7 @@ def run_variant(name: str, args) -> dict:
     import eyrie.ttt_attention as ttt_attention
     from eyrie.train import plan_batches
 
-    ttt_attention.FLEX_DYNAMIC = FLEX_SETTINGS[name]
+    ttt_attention.FLEX_DYNAMIC, ttt_attention.MIN_FLEX_BLOCKS = FLEX_SETTINGS[name]
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
     dims = SMALL if args.small else SMOLLM2
     objective, optimizer, head, draft_ids, t2d = build(dims, VARIANTS["flex+chunked"], device, 7, args.seed)
@@ -66,7 +67,7 @@ def run_variant(name: str, args) -> dict:
         shapes.append([rows, length])
         print(f"  {name} step {i}: {rows} x {length}, {seconds * 1000:.0f} ms, compiled graphs {_compiled_graphs()}", flush=True)
     warm = statistics.median(times[-args.warm_steps :])
-    return {"variant": name, "flex_dynamic": FLEX_SETTINGS[name], "steps": len(times), "total_s": sum(times),
+    return {"variant": name, "flex_dynamic": FLEX_SETTINGS[name][0], "min_tiles": FLEX_SETTINGS[name][1], "steps": len(times), "total_s": sum(times),
             "warm_median_s": warm, "overhead_s": sum(times) - warm * len(times), "compiled_graphs": _compiled_graphs(),
             "step_times_s": times, "shapes": shapes, "batches_in_epoch": len(batches), "device": device}
 

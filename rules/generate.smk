@@ -16,9 +16,9 @@ rule regenerate_shard:
         model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),
         # Kept outside the declared output so a failed or killed job keeps its finished turns.
         partial_dir="results/partial/completions/{dataset}/{shard}",
-    # In process on the CPU a shard takes every core; on a GPU its work is kernel launches, so a few cores
-    # leave room for a second shard on the same card (`--resources gpu=2`: on an H200 four shards ran one
-    # after another at 2.5-3.1K tok/s each while all cores were claimed). A server engine's job only waits on HTTP.
+    # In process on the CPU a shard takes every core; on a GPU a few cores leave room for a second shard on
+    # the same card (`--resources gpu=2`: on an H200 two static-batching jobs at a time generated 9.8-12.0K
+    # tok/s each; claiming every core had run them one after another). A server engine's job only waits on HTTP.
     threads: (workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)) if config["engine"]["kind"] == "transformers" else 1
     # What a cluster job asks for (profiles/slurm adds memory and time, docs/CLUSTER.md): no GPU when the shard only
     # talks to servers that already run; `--resources server_slots=N` caps the shards running at once.

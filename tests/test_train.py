@@ -526,6 +526,14 @@ def _attention_inputs():
     return torch.randn(B, L, 96), torch.randint(0, 120, (B, L)), lengths
 
 
+def test_cuda_lengths_pad_to_whole_flex_tiles_and_never_to_one():
+    """One 128-token tile recompiled flex attention (size-1 dims) for 23-27 s on an H200; CPU lengths stay as they are."""
+    from eyrie.ttt_attention import FLEX_BLOCK, padded_length
+
+    assert [padded_length(n, "cuda") for n in (1, 99, 256, 257, 2048)] == [2 * FLEX_BLOCK, 2 * FLEX_BLOCK, 256, 384, 2048]
+    assert padded_length(99, "cpu") == 99
+
+
 @pytest.mark.parametrize("pad_to", [1, 16])
 def test_flex_ttt_attention_matches_eager_outputs_and_gradients(monkeypatch, pad_to):
     """Flex attention (unfused on CPU) over [k_0 | ... | k_j] == DraftAttention.attend, padded rows included."""

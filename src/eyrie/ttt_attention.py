@@ -60,11 +60,16 @@ def resolve_attention(setting: str, device, head_dim: int = FLEX_MIN_HEAD_DIM) -
     return "flex" if cuda and flex_available() and head_dim >= FLEX_MIN_HEAD_DIM else "eager"
 
 
+# At least two tiles: a one-tile length specialises compiled flex attention's size-1 dims, and on an
+# H200 that recompile cost 23-27 s, more than padding the few short batches of a run to 256 ever does.
+MIN_FLEX_BLOCKS = 2
+
+
 def padded_length(length: int, device) -> int:
-    """L rounded up to the flex tile on CUDA (fewer distinct shapes, whole tiles); unchanged elsewhere."""
+    """L rounded up to whole flex tiles on CUDA, at least MIN_FLEX_BLOCKS (fewer distinct shapes); unchanged elsewhere."""
     if torch.device(device).type != "cuda":
         return length
-    return FLEX_BLOCK * math.ceil(length / FLEX_BLOCK)
+    return FLEX_BLOCK * max(MIN_FLEX_BLOCKS, math.ceil(length / FLEX_BLOCK))
 
 
 def _ttt_mask_mod(key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
@@ -85,8 +90,9 @@ def _ttt_mask_mod(key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
 # Every (padded length, TTT step) of a run: 16 lengths up to 2,048 x 7 steps = 112. A smaller cache
 # thrashes when an epoch visits lengths in random order, rebuilding masks every step.
 MASK_CACHE_SIZE = 512
-# None: torch.compile's default (the first shape compiles static, the first change recompiles dynamic).
-FLEX_DYNAMIC: bool | None = None
+# Dynamic from the first step: torch.compile's default compiles the first shape static and recompiles
+# at the first change (13 s on an H200, benchmarks/train_warmup.py); every run's shapes change.
+FLEX_DYNAMIC: bool | None = True
 
 
 @functools.lru_cache(maxsize=MASK_CACHE_SIZE)
