@@ -5,7 +5,8 @@
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 W=${W:-/tmp/w}
-TAIL=20 step speculative 170 python3 benchmarks/speculative_decode.py --workdir "$W" --dataset sharegpt --prompts 8 --max-new-tokens 256 --dtype float32,bfloat16 --out "$OUT/speculative.json"
+# 8 prompts x 256 tokens in fp32 and bf16 did not finish in 200 s (eager HF decoding is the slow part)
+TAIL=20 step speculative 200 python3 benchmarks/speculative_decode.py --workdir "$W" --dataset sharegpt --prompts 4 --max-new-tokens 128 --dtype float32 --out "$OUT/speculative.json"
 TAIL=16 step extraction 130 python3 benchmarks/extraction.py --out "$OUT/extraction.json"
-TAIL=16 step cache_precision 200 python3 benchmarks/cache_precision.py --workdir "$W" --epochs 3 --out "$OUT/cache_precision.json"
+TAIL=16 step cache_precision 220 python3 benchmarks/cache_precision.py --workdir "$W" --epochs 3 --out "$OUT/cache_precision.json"
 exit 0
