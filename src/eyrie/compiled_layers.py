@@ -12,8 +12,8 @@ With train.compile these small pure functions run compiled instead:
     swiglu         silu(gate) * up
 
 The matrix products (q/k/v/o, gate/up/down) stay outside the graphs, as in eager mode: cuBLAS,
-with autocast's cached weight casts; so does the last residual add, one kernel after down_proj. Attention is not here either (flex attention is compiled on
-its own in eyrie.ttt_attention). dynamic=True: batch rows and sequence length are symbolic, so a
+with autocast's cached weight casts; so does the last residual add, one kernel after down_proj.
+Attention is not here either (flex attention is compiled on its own in eyrie.ttt_attention). dynamic=True: batch rows and sequence length are symbolic, so a
 new batch shape reuses the graphs (torch still specialises a size of 1, so one-row batches compile
 once more). The backward graphs are compiled with the forward (not lazily at the first backward;
 torch 2.13 has the setting), so every compile failure surfaces inside a call here.
@@ -21,6 +21,9 @@ torch 2.13 has the setting), so every compile failure surfaces inside a call her
 If compiling fails (no C++ compiler for inductor's CPU code, an op dynamo cannot trace, ...), a
 warning is issued, the reason is kept in CompiledLayers.error and every piece runs eagerly from
 then on: the training job goes on at eager speed instead of stopping.
+
+Measured on an H200 at the Llama-8B drafter shape: +1.1% tok/s and -0.49 GiB peak (docs/PERFORMANCE.md),
+less than the elementwise share suggested; hence opt-in.
 """
 
 from __future__ import annotations
