@@ -86,6 +86,14 @@ def test_slurm_profile_without_site_settings_leaves_them_to_the_plugin(plain_wor
         assert job["resources"]["slurm_account"] == "" and job["resources"]["slurm_partition"] == "", rule
 
 
+def test_training_asks_for_one_gpu_per_data_parallel_rank(plain_workdir):
+    config = yaml.safe_load((plain_workdir / "config.yaml").read_text())
+    config["train"] = {**config["train"], "processes": 2}
+    (plain_workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    jobs = dry_run_jobs(plain_workdir, "--workflow-profile", "slurm", "results/drafter")
+    assert jobs["train_drafter"]["resources"]["gpu"] == "2" and jobs["train_drafter"]["resources"]["cpus_per_gpu"] == "8"
+
+
 def test_regeneration_asks_for_no_gpu_when_it_only_talks_to_running_servers(plain_workdir):
     config = yaml.safe_load((plain_workdir / "config.yaml").read_text())
     config["engine"] = {**config.get("engine", {}), "kind": "openai", "openai": {"base_urls": ["http://127.0.0.1:30000"]}}
