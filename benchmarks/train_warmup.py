@@ -95,9 +95,9 @@ def main() -> int:
     for name in args.variants.split(","):
         with tempfile.TemporaryDirectory(prefix="eyrie-inductor-") as cache:  # a cold compile cache per variant
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": f"{cache}/triton"}
-            command = [sys.executable, __file__, "--one", name] + [a for a in sys.argv[1:] if a not in ("--out",)]
-            if args.out:  # drop --out's value too
-                command = [a for a in command if a != str(args.out)]
+            command = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--warm-steps", str(args.warm_steps),
+                       "--samples", str(args.samples), "--batch-tokens", str(args.batch_tokens), "--longest", str(args.longest),
+                       "--seed", str(args.seed)] + (["--small"] if args.small else [])
             proc = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = proc.stdout.splitlines()
         print("\n".join(lines[:3] + ["  ..."] + lines[-4:-1]), flush=True)

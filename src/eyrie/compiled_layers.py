@@ -13,9 +13,9 @@ With train.compile these small pure functions run compiled instead:
 
 The matrix products (q/k/v/o, gate/up/down) stay outside the graphs, as in eager mode: cuBLAS,
 with autocast's cached weight casts; so does the last residual add, one kernel after down_proj.
-Attention is not here either (flex attention is compiled on its own in eyrie.ttt_attention). dynamic=True: batch rows and sequence length are symbolic, so a
-new batch shape reuses the graphs (torch still specialises a size of 1, so one-row batches compile
-once more). The backward graphs are compiled with the forward (not lazily at the first backward;
+Attention is not here either (flex attention is compiled on its own in eyrie.ttt_attention).
+dynamic=True: batch rows and sequence length are symbolic, so a new batch shape reuses the graphs
+(torch still specialises a size of 1, so one-row batches compile once more). The backward graphs are compiled with the forward (not lazily at the first backward;
 torch 2.13 has the setting), so every compile failure surfaces inside a call here.
 
 If compiling fails (no C++ compiler for inductor's CPU code, an op dynamo cannot trace, ...), a

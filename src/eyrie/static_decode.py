@@ -238,14 +238,19 @@ class StaticLlama:
         span: cache slots attended (every position must be below it); None = the whole cache.
         """
         span = self.capacity if span is None else span
-        x = self.model.model.embed_tokens(ids)  # (1, T, H)
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]  # (1, 1, T, hd)
         mask = self.slots[None, :span] <= positions[:, None]  # (T, span): a key slot is visible up to the query's position
         mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attention's grouped queries
+        return self.run_layers(ids, positions, cos, sin, mask, span, aux_layers=aux_layers)
+
+    def run_layers(self, ids, slots, cos, sin, mask, span: int, rows: slice = slice(None), aux_layers=()):
+        """(final normed hidden (B, T, H), aux (B, T, 3H) or None) of ids (B, T) whose K/V go to cache
+        `slots` (T,) of cache rows `rows`; cos, sin and mask as _attention takes them."""
+        x = self.model.model.embed_tokens(ids)
         saved = {}
         for index, layer in enumerate(self.layers):
-            keys, values = self.keys[index], self.values[index]
-            x = x + self._attention(keys, values, layer.self_attn, layer.input_layernorm(x), positions, cos, sin, mask, span)
+            keys, values = self.keys[index, rows], self.values[index, rows]
+            x = x + self._attention(keys, values, layer.self_attn, layer.input_layernorm(x), slots, cos, sin, mask, span)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if index in aux_layers:
                 saved[index] = x

@@ -56,17 +56,6 @@ class BatchedGreedy(StaticLlama):
             self.step.zero_()
             self.steps[span] = Replay(functools.partial(self._decode_step, span), self.use_graphs)
 
-    # ---- the forward over some rows
-
-    def _forward_rows(self, ids, slots, cos, sin, mask, span: int, rows: slice) -> torch.Tensor:
-        """Final normed hidden (b, T, H) of ids (b, T) written at cache slots (T,) of cache rows `rows`."""
-        x = self.model.model.embed_tokens(ids)
-        for index, layer in enumerate(self.layers):
-            keys, values = self.keys[index, rows], self.values[index, rows]
-            x = x + self._attention(keys, values, layer.self_attn, layer.input_layernorm(x), slots, cos, sin, mask, span)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.model.norm(x)
-
     def _emit(self, predicted: torch.Tensor) -> None:
         """Store each row's new token (padding once finished) and feed it to the next step."""
         predicted = torch.where(self.done, self.pad_id, predicted)
@@ -81,7 +70,7 @@ class BatchedGreedy(StaticLlama):
         rope = (self.slot - self.pads).clamp(min=0)  # (R,)
         cos, sin = self.cos[rope][:, None, None], self.sin[rope][:, None, None]  # (R, 1, 1, hd)
         mask = ((keys <= self.slot) & (keys >= self.pads[:, None]))[:, None, None]  # (R, 1, 1, span)
-        hidden = self._forward_rows(self.next_ids, self.slot, cos, sin, mask, span, slice(None))
+        hidden, _ = self.run_layers(self.next_ids, self.slot, cos, sin, mask, span)
         self._emit(self.model.lm_head(hidden[:, -1]).argmax(-1))
         self.slot.add_(1)
 
@@ -101,7 +90,7 @@ class BatchedGreedy(StaticLlama):
             query = slots[None, :, None]  # (1, W, 1)
             visible = (keys <= query) & ((keys >= pads) | (query < pads))  # (c, W, span)
             mask = visible[:, None].repeat(1, 1, group, 1)  # (c, 1, group * W, span): _attention's grouped rows
-            hidden = self._forward_rows(ids[rows], slots, cos, sin, mask, span, rows)
+            hidden, _ = self.run_layers(ids[rows], slots, cos, sin, mask, span, rows)
             firsts.append(self.model.lm_head(hidden[:, -1]).argmax(-1))
         return torch.cat(firsts)
 
