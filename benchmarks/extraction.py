@@ -30,7 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eyrie.hidden import _base_model, _batch_inputs, _to_device, default_aux_layer_ids, extract_shard, plan_token_batches
+from eyrie.aux_layers import default_aux_layer_ids
+from eyrie.hidden import _base_model, _batch_inputs, _to_device, extract_shard, plan_token_batches
 from eyrie.tokenize import TOKENS_SCHEMA
 
 TEMPLATE = "0" * 64  # the synthetic shard's template fingerprint; extract_shard only checks that it matches

@@ -35,7 +35,7 @@ from eyrie.bench import (
     stop_ids_of,
 )
 from eyrie.chat import render
-from eyrie.speculative import greedy_decode, speculative_decode
+from eyrie.decode import greedy_decode, speculative_decode
 from eyrie.static_decode import StaticLlama, needed_capacity
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -118,7 +118,7 @@ def workdir_paths(args):
 def random_drafter(model):
     """An untrained drafter for the real target: every speed path runs, nearly nothing is accepted."""
     from eyrie.drafter import DrafterShape, Eagle3Drafter
-    from eyrie.hidden import default_aux_layer_ids
+    from eyrie.aux_layers import default_aux_layer_ids
 
     torch.manual_seed(0)
     vocab, draft_vocab = model.config.vocab_size, min(32000, model.config.vocab_size)

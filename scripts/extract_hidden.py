@@ -1,7 +1,8 @@
 # Snakemake entry point: token shard -> hidden-state cache (see eyrie.hidden).
 import torch
 
-from eyrie.hidden import default_aux_layer_ids, extract_shard
+from eyrie.aux_layers import default_aux_layer_ids
+from eyrie.hidden import extract_shard
 from eyrie.joblog import job_log
 from eyrie.model import load_target, model_fingerprint, template_fingerprint
 

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from eyrie.errors import ContractError
 from eyrie.bench import (
-    BenchTemplateMismatchError,
     DrafterNotEngagedError,
     load_benchmark_prompts,
     run_benchmark,
@@ -41,7 +41,7 @@ def one_thread(one_torch_thread):
 @pytest.fixture(scope="module")
 def drafter(target):
     from eyrie.drafter import DrafterShape, Eagle3Drafter
-    from eyrie.hidden import default_aux_layer_ids
+    from eyrie.aux_layers import default_aux_layer_ids
 
     model, _ = target
     torch.manual_seed(0)
@@ -142,19 +142,19 @@ def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, dra
     from eyrie.model import template_fingerprint
 
     out = tmp_path / "bench.json"
-    with pytest.raises(BenchTemplateMismatchError, match="template_sha256_expected is 000000000000"):
+    with pytest.raises(ContractError, match="template_sha256_expected is 000000000000"):
         run_benchmark(
             target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS, benchmark_name="local",
             bench_cfg=CFG, out_path=out, template_sha256_expected="0" * 64, device="cpu",
         )
     drafter_dir = save_drafter(drafter, tmp_path / "drafter", "f" * 64)
-    with pytest.raises(BenchTemplateMismatchError, match="config.json eyrie.template_sha256 is ffffffffffff"):
+    with pytest.raises(ContractError, match="config.json eyrie.template_sha256 is ffffffffffff"):
         run_benchmark(
             target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS, benchmark_name="local",
             bench_cfg=CFG, out_path=out, device="cpu",
         )
     other_target = save_drafter(drafter, tmp_path / "other", template_fingerprint(target[1]), target_fingerprint="0" * 64)
-    with pytest.raises(BenchTemplateMismatchError, match="trained for another target"):
+    with pytest.raises(ContractError, match="trained for another target"):
         run_benchmark(
             target_dir=model_dir, drafter_dir_or_model=other_target, prompts=PROMPTS, benchmark_name="local",
             bench_cfg=CFG, out_path=out, device="cpu",

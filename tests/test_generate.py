@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.engine import TransformersEngine, plan_batches
+from eyrie.batching import batches_by_tokens
+from eyrie.engine import TransformersEngine
 from eyrie.generate import PROMPT_TOO_LONG, regenerate_shard, settings_key
 from eyrie.partial import PartialLog
 
@@ -18,7 +19,7 @@ ENGINE = {"max_batch_tokens": 2048, "max_batch_size": 2}
 
 def test_batches_respect_the_token_budget():
     lengths = [5, 300, 40, 41, 12, 700, 3]
-    batches = plan_batches(lengths, max_new_tokens=100, max_batch_tokens=900, max_batch_size=3)
+    batches = batches_by_tokens(lengths, 900, extra=100, max_size=3)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for batch in batches:
         assert len(batch) <= 3

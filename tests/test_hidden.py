@@ -11,13 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from eyrie.aux_layers import AuxLayerError, capture_indices, default_aux_layer_ids
+from eyrie.errors import ContractError
 from eyrie.hidden import (
-    AuxLayerError,
     HiddenCacheMismatchError,
-    HiddenTemplateError,
-    capture_indices,
     check_manifest,
-    default_aux_layer_ids,
     extract_shard,
     load_hidden,
     plan_token_batches,
@@ -273,7 +271,7 @@ def test_manifest_and_file(caches, target, template):
 
 def test_template_mismatch_refused(target, token_shard, tmp_path):
     out = tmp_path / "x.safetensors"
-    with pytest.raises(HiddenTemplateError, match="0000.parquet") as excinfo:
+    with pytest.raises(ContractError, match="0000.parquet") as excinfo:
         extract_shard(
             tokens_path=token_shard[0],
             out_path=str(out),

@@ -9,7 +9,7 @@ import torch
 
 from eyrie.chat import render
 from eyrie.drafter import DraftCache, DrafterShape, Eagle3Drafter
-from eyrie.hidden import capture_indices, default_aux_layer_ids
+from eyrie.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.speculative import Eagle3Chain, greedy_decode, speculative_decode
 
 MAX_NEW = 24

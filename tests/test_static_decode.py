@@ -7,8 +7,9 @@ import torch
 
 from eyrie.chat import render
 from eyrie.drafter import DrafterShape, Eagle3Drafter
-from eyrie.hidden import capture_indices, default_aux_layer_ids
-from eyrie.speculative import Eagle3Chain, greedy_decode, speculative_decode
+from eyrie.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.decode import greedy_decode, speculative_decode
+from eyrie.speculative import Eagle3Chain
 from eyrie.static_decode import (
     StaticLlama,
     UnsupportedTargetError,

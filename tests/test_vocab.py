@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 
 from eyrie.tokenize import TOKENS_SCHEMA
+from eyrie.errors import ContractError
 from eyrie.vocab import (
     VocabClippedWarning,
     VocabError,
     VocabSizeError,
-    VocabTemplateError,
     build_draft_vocab,
     check_vocab,
     load_draft_vocab,
@@ -126,7 +126,7 @@ def test_draft_larger_than_target_refused(shards, tmp_path):
 
 def test_templates_must_agree(shards, tmp_path):
     other = write_shard(tmp_path / "other.parquet", [([4, 4], [1, 1])], template="o" * 64)
-    with pytest.raises(VocabTemplateError) as excinfo:
+    with pytest.raises(ContractError) as excinfo:
         build_draft_vocab([*shards, other], V, 3, str(tmp_path / "v.safetensors"))
     message = str(excinfo.value)
     assert "other.parquet" in message and "a.parquet" in message and "b.parquet" in message

@@ -1,19 +1,30 @@
-"""Write-then-rename: readers, and a job killed mid-write, see the old file or the new one, never half of one."""
+"""Write-then-rename: readers, and a job killed mid-write, see the old file or the new one, never half of one.
+
+Every file and directory eyrie produces goes through `write_atomically` or `write_directory_atomically`;
+each caller passes its own writer.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Callable
+
+READABLE = 0o644  # artifacts are read by other users too (a server running under its own account)
+
+
+def _temporary_beside(path: Path, suffix: str) -> Path:
+    return path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.{suffix}"
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     """Call write(temporary) for a temporary path beside `path`, make it durable, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    temporary = _temporary_beside(path, "tmp")
     try:
         write(temporary)
         with open(temporary, "rb") as written:
@@ -23,9 +34,46 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def write_directory_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Call write(temporary_dir) for a fresh directory beside `path`, then swap it in for the old one.
+
+    The old directory is renamed aside before the new one takes its name, so at every moment `path`
+    is either the whole old directory or the whole new one (or, between two renames, absent).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary, old = _temporary_beside(path, "tmp"), _temporary_beside(path, "old")
+    temporary.mkdir()
+    try:
+        write(temporary)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(temporary, path)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def write_text_atomically(path: str | Path, text: str) -> None:
     write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
 
 
-def write_json_atomically(path: str | Path, value: dict) -> None:
-    write_text_atomically(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+def write_json_atomically(path: str | Path, value, indent: int | None = 2) -> None:
+    write_text_atomically(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n")
+
+
+def write_parquet_atomically(table, path: str | Path) -> None:
+    import pyarrow.parquet as pq
+
+    write_atomically(path, lambda temporary: pq.write_table(table, temporary))
+
+
+def write_safetensors_atomically(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors written straight to disk (no second copy in memory), readable by others."""
+    from safetensors.torch import save_file
+
+    def write(temporary: Path) -> None:
+        save_file(tensors, str(temporary), metadata=metadata)
+        os.chmod(temporary, READABLE)  # save_file creates 0600
+
+    write_atomically(path, write)

@@ -21,15 +21,11 @@ import warnings
 from pathlib import Path
 
 from eyrie.atomic import write_json_atomically
-from eyrie.errors import BadRecordError, EyrieError, InputFileError
+from eyrie.errors import BadRecordError, ContractError, EyrieError, InputFileError
 
 
 class BenchmarkError(EyrieError):
     pass
-
-
-class BenchTemplateMismatchError(BenchmarkError):
-    """The target's chat template (or the target itself) is not the one the drafter was trained with."""
 
 
 class DrafterNotEngagedError(BenchmarkError):
@@ -120,13 +116,13 @@ def check_template(tokenizer, target_dir, expected: str | None, drafter_config: 
     wrong = {where: sha for where, sha in claims.items() if sha is not None and sha != actual}
     if wrong:
         listing = "; ".join(f"{where} is {sha[:12]}" for where, sha in wrong.items())
-        raise BenchTemplateMismatchError(
+        raise ContractError(
             f"{target_dir}: the target's chat template has sha256 {actual[:12]}, but {listing}. A drafter trained on "
             "one template loses acceptance silently under another: benchmark and serve with the tokenizer the "
             "drafter was trained with, or rerun the pipeline from the tokenize stage for this template."
         )
     if trained.get("target_fingerprint") not in (None, model_fingerprint(target_dir)):
-        raise BenchTemplateMismatchError(
+        raise ContractError(
             f"{drafter_label}/config.json: the drafter was trained for another target than {target_dir} "
             "(eyrie.target_fingerprint differs); benchmark it with its own target, or retrain it"
         )
@@ -250,7 +246,7 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
 
     `model` is a transformers model or a StaticLlama around one (see open_decoder): both decoders use it.
     """
-    from eyrie.speculative import greedy_decode, speculative_decode
+    from eyrie.decode import greedy_decode, speculative_decode
 
     # Warm up both decoders once, so the first timed prompt pays no one-time costs (allocations, kernel choice).
     greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
@@ -302,9 +298,7 @@ def run_benchmark(
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
     rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"])
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
-        from eyrie.static_decode import GRAPH_CAPTURE_FAILURES
-
-        decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(GRAPH_CAPTURE_FAILURES[:2])
+        decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
 
     result = {
         "benchmark": benchmark_name,

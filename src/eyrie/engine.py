@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass
 
-from eyrie.batching import batches_by_tokens
 from eyrie.chat import render
 
 
@@ -16,15 +14,6 @@ class TurnResult:
     finish_reason: str  # "stop" (end-of-turn token), "length" (hit max_new_tokens)
     prompt_tokens: int
     completion_tokens: int
-
-
-def plan_batches(lengths: list[int], max_new_tokens: int, max_batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Request indices in batches of at most max_batch_tokens padded (prompt + new) tokens."""
-    return batches_by_tokens(lengths, max_batch_tokens, extra=max_new_tokens, max_size=max_batch_size)
-
-
-def stable_seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
 BATCHING = ("auto", "padded", "continuous", "static")

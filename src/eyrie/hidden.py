@@ -14,7 +14,6 @@ template, layer set or width is refused instead of silently training a useless d
 from __future__ import annotations
 
 import json
-import os
 import queue
 import struct
 import sys
@@ -26,11 +25,12 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eyrie.artifacts import MANIFEST_KEY, ArtifactError, read_parquet_metadata, read_safetensors_manifest
+from eyrie.atomic import write_atomically
+from eyrie.aux_layers import AuxLayerError, capture_indices
 from eyrie.batching import batches_by_tokens
-from eyrie.errors import EyrieError
-from eyrie.tokenize import read_eyrie_metadata
+from eyrie.errors import ContractError, EyrieError
 
-MANIFEST_KEY = "manifest"
 FORMAT = "eyrie-hidden/1"
 TENSOR_NAMES = ("aux_hidden", "final_hidden", "input_ids", "loss_mask", "offsets")
 # float8 caches store each state tensor with its scales (eyrie.fp8): name -> (scale tensor, blocks per row).
@@ -42,44 +42,8 @@ class HiddenCacheError(EyrieError):
     """The hidden-state cache cannot be built or used."""
 
 
-class AuxLayerError(HiddenCacheError):
-    """The aux layer ids do not name three distinct decoder layers of the target."""
-
-
-class HiddenTemplateError(HiddenCacheError):
-    """The token shard was built with another chat template than the one given."""
-
-
-class HiddenCacheMismatchError(HiddenCacheError):
+class HiddenCacheMismatchError(HiddenCacheError, ContractError):
     """A cache comes from another target, template, layer set or hidden width than the one in use."""
-
-
-# --------------------------------------------------------------------------- layer ids
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default, in SGLang's convention: outputs of layers [1, N//2 - 1, N - 4]."""
-    ids = [1, num_layers // 2 - 1, num_layers - 4]
-    capture_indices(ids, num_layers)  # a target too shallow for the default fails here, clearly
-    return ids
-
-
-def capture_indices(aux_layer_ids, num_layers: int) -> list[int]:
-    """transformers' output_hidden_states indices for SGLang-convention aux layer ids: [i + 1 for i in ids]."""
-    ids = list(aux_layer_ids)
-    if len(ids) != 3 or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
-        raise AuxLayerError(f"aux_layer_ids must be three integer layer ids (EAGLE-3 fuses exactly three), got {ids!r}")
-    ids = [int(i) for i in ids]
-    if len(set(ids)) != 3:
-        raise AuxLayerError(f"aux_layer_ids must be three distinct layers, got {ids}")
-    bad = [i for i in ids if not 0 <= i <= num_layers - 2]
-    if bad:
-        raise AuxLayerError(
-            f"aux_layer_ids {ids}: {bad} outside 0..{num_layers - 2} for a target with {num_layers} decoder layers "
-            "(SGLang convention: the index of the decoder layer whose output is taken; the last layer's output "
-            f"is the final state, not an aux one; default [1, {num_layers // 2 - 1}, {num_layers - 4}])"
-        )
-    return [i + 1 for i in ids]
 
 
 # --------------------------------------------------------------------------- batching
@@ -376,9 +340,9 @@ def extract_shard(
     import torch
     from tqdm import tqdm
 
-    shard_template = read_eyrie_metadata(tokens_path).get("template_sha256")
+    shard_template = read_parquet_metadata(tokens_path).get("template_sha256")
     if shard_template != template_sha256:
-        raise HiddenTemplateError(
+        raise ContractError(
             f"{tokens_path}: tokenized with chat template {shard_template!r}, but the target's template is "
             f"{template_sha256!r}; re-tokenize with this target or point model.path at the one used"
         )
@@ -413,9 +377,6 @@ def extract_shard(
     }
     if _is_fp8(dtype_name):
         manifest["scales"] = FP8_SCALES_NOTE
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     ids_t = torch.from_numpy(input_ids)
     bar = tqdm(
         total=len(sample_ids),
@@ -425,8 +386,9 @@ def extract_shard(
         disable=not progress,
         dynamic_ncols=True,
     )
-    try:
-        writer = _SafetensorsWriter(tmp, _storage_specs(dtype_name, len(sample_ids), total, hidden), manifest)
+
+    def write(temporary: Path) -> None:
+        writer = _SafetensorsWriter(temporary, _storage_specs(dtype_name, len(sample_ids), total, hidden), manifest)
         rows = _BackgroundRows(writer)
         failed = True
         try:
@@ -471,12 +433,13 @@ def extract_shard(
             rows.close(check=not failed)
             writer.close()
         bar.update(len(sample_ids) - bar.n)  # empty samples need no forward
-        if tmp.stat().st_size != manifest["file_bytes"]:
-            raise HiddenCacheError(f"{tmp}: wrote {tmp.stat().st_size} bytes, expected {manifest['file_bytes']}")
-        os.replace(tmp, out_path)
+        if temporary.stat().st_size != manifest["file_bytes"]:
+            raise HiddenCacheError(f"{temporary}: wrote {temporary.stat().st_size} bytes, expected {manifest['file_bytes']}")
+
+    try:
+        write_atomically(out_path, write)
     finally:
         bar.close()
-        tmp.unlink(missing_ok=True)
     return manifest
 
 
@@ -485,16 +448,10 @@ def extract_shard(
 
 def read_manifest(path: str | Path) -> dict:
     """The manifest alone, from the safetensors header (no tensor is read)."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except Exception as exc:  # safetensors raises its own error types for unreadable headers
-        raise HiddenCacheError(f"{path}: not a readable safetensors file ({exc})") from exc
-    if MANIFEST_KEY not in metadata:
-        raise HiddenCacheError(f"{path}: not an eyrie hidden-state cache (no manifest in its metadata)")
-    return json.loads(metadata[MANIFEST_KEY])
+        return read_safetensors_manifest(path, "eyrie hidden-state cache")
+    except ArtifactError as exc:
+        raise HiddenCacheError(str(exc)) from None
 
 
 def stored_names(manifest: dict) -> tuple[str, ...]:
@@ -552,21 +509,18 @@ def convert_cache(src_path: str | Path, out_path: str | Path, dtype: str, rows_p
     out_dtype = _torch_dtype(dtype)
     dtype_name = str(out_dtype).removeprefix("torch.")
     manifest = read_manifest(src_path)
+    source_fp8 = _is_fp8(manifest.get("dtype"))
     total, hidden, samples = int(manifest["tokens"]), int(manifest["hidden_size"]), int(manifest["samples"])
     manifest = {k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token", "scales")}
     manifest["dtype"] = dtype_name
     if _is_fp8(dtype_name):
         manifest["scales"] = FP8_SCALES_NOTE
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    try:
-        writer = _SafetensorsWriter(tmp, _storage_specs(dtype_name, samples, total, hidden), manifest)
+    def write(temporary: Path) -> None:
+        writer = _SafetensorsWriter(temporary, _storage_specs(dtype_name, samples, total, hidden), manifest)
         try:
             with safe_open(str(src_path), framework="pt") as f:
                 for name in ("offsets", "input_ids", "loss_mask"):
                     writer.write_rows(name, 0, f.get_tensor(name))
-                source_fp8 = _is_fp8(read_manifest(src_path).get("dtype"))
                 for start in range(0, total, rows_per_chunk):
                     stop = min(total, start + rows_per_chunk)
                     aux = read_state_rows(f, "aux_hidden", start, stop, source_fp8)
@@ -575,9 +529,8 @@ def convert_cache(src_path: str | Path, out_path: str | Path, dtype: str, rows_p
                         writer.write_rows(name, start, rows)
         finally:
             writer.close()
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    write_atomically(out_path, write)
     return manifest
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
+from eyrie.atomic import write_directory_atomically
 from eyrie.errors import InputFileError
 
 
@@ -26,12 +25,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         model.config.architectures = [type(model).__name__]
     if not tokenizer.chat_template:
         raise InputFileError(f"{gguf_path}: carries no chat template; eyrie needs the target's own template")
-    tmp = out_dir.with_name(out_dir.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+
+    def save(temporary: Path) -> None:
+        model.save_pretrained(temporary)
+        tokenizer.save_pretrained(temporary)
+
+    write_directory_atomically(out_dir, save)
     return out_dir
 
 

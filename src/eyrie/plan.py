@@ -18,6 +18,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from eyrie import config as cfg
+from eyrie.artifacts import parquet_metadata
 from eyrie.generate import ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.partial import PartialLog
 
@@ -53,7 +54,7 @@ def _final_shard(path: Path, settings: dict) -> tuple[list[dict] | None, dict | 
     if not path.exists():
         return None, None
     table = pq.read_table(path, columns=["finish_reasons", "completion_tokens", "seconds"])
-    meta = json.loads((table.schema.metadata or {}).get(b"eyrie", b"{}"))
+    meta = parquet_metadata(table.schema.metadata, path)
     return table.to_pylist(), meta
 
 

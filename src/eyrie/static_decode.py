@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from eyrie.drafter import Eagle3Drafter, rotate_half
 from eyrie.errors import EyrieError
-from eyrie.hidden import capture_indices
-from eyrie.speculative import DecodeResult, DraftSession, SpecResult, _emit, _finished, accept
+from eyrie.aux_layers import capture_indices
+from eyrie.decode_common import DecodeResult, DraftSession, SpecResult, emit, finished, speculative_rounds
 
 # Architectures whose decoder layer is exactly Llama's: pre-norm attention (q/k/v/o, biases allowed)
 # and a gated MLP, one rotary table, full attention everywhere.
@@ -118,19 +118,15 @@ def needed_capacity(prompt_tokens: int, max_new_tokens: int, draft_tokens: int =
 # --------------------------------------------------------------------------- CUDA graphs
 
 
-# Why a capture failed, per failure: a decoder whose capture failed runs eagerly and must not be labelled as graphed.
-GRAPH_CAPTURE_FAILURES: list[str] = []
-
-
 class Replay:
     """fn() (on static buffers) as a CUDA graph when asked for, else plain calls: the CPU fallback.
 
     A capture that fails (an op that syncs, a torch version that refuses something) falls back to
-    plain calls with a warning instead of failing the benchmark: slower, still correct, and
-    GRAPH_CAPTURE_FAILURES makes the result say so.
+    plain calls with a warning instead of failing the benchmark: slower, still correct, and the
+    reason goes to `failures` (the owning decoder's list), so its label stops saying "cudagraph".
     """
 
-    def __init__(self, fn, use_graph: bool):
+    def __init__(self, fn, use_graph: bool, failures: list[str]):
         self.fn, self.graph = fn, None
         if use_graph:
             side = torch.cuda.Stream()
@@ -146,8 +142,8 @@ class Replay:
                 self.graph = graph
             except Exception as exc:  # noqa: BLE001 -- any capture error: run eagerly, say why
                 torch.cuda.synchronize()
-                GRAPH_CAPTURE_FAILURES.append(f"{type(exc).__name__}: {exc}"[:300])
-                warnings.warn(f"CUDA graph capture failed, running eagerly: {GRAPH_CAPTURE_FAILURES[-1]}")
+                failures.append(f"{type(exc).__name__}: {exc}"[:300])
+                warnings.warn(f"CUDA graph capture failed, running eagerly: {failures[-1]}")
 
     def __call__(self) -> None:
         if self.graph is None:
@@ -184,12 +180,13 @@ class StaticLlama:
         self.kv_heads = getattr(self.config, "num_key_value_heads", None) or self.heads
         self.head_dim = attention.head_dim if hasattr(attention, "head_dim") else self.config.hidden_size // self.heads
         self.drafters: dict[int, StaticEagle3] = {}
+        self.capture_failures: list[str] = []  # why a graph capture failed: those steps run eagerly
         self.capacity = 0
         self.ensure_capacity(capacity)
 
     @property
     def label(self) -> str:
-        return "static-cudagraph" if self.use_graphs and not GRAPH_CAPTURE_FAILURES else "static"
+        return "static-cudagraph" if self.use_graphs and not self.capture_failures else "static"
 
     @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
@@ -283,17 +280,17 @@ class StaticLlama:
 
     @torch.inference_mode()
     def greedy_decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> DecodeResult:
-        """Same result as eyrie.speculative.greedy_decode: one replay and one host read per token."""
+        """Same result as eyrie.speculative.greedy_decode (transformers' path): one replay and one host read per token."""
         start = time.perf_counter()
         self.ensure_capacity(needed_capacity(len(prompt_ids), max_new_tokens))
         for span in spans_up_to(self.capacity):  # captured before the prefill: their warm-ups write cache slots
             if span not in self.greedy_steps:
-                self.greedy_steps[span] = Replay(functools.partial(self._greedy_step, span), self.use_graphs)
+                self.greedy_steps[span] = Replay(functools.partial(self._greedy_step, span), self.use_graphs, self.capture_failures)
         predicted, _ = self.prefill(prompt_ids)
         self.token.copy_(predicted[:, -1:])
         self.position.fill_(len(prompt_ids))
         tokens, forwards = [int(self.token)], 1
-        while not _finished(tokens, max_new_tokens, stop_ids):
+        while not finished(tokens, max_new_tokens, stop_ids):
             position = len(prompt_ids) + len(tokens) - 1  # of self.token, which this step feeds
             self.greedy_steps[span_for(position + 1, self.capacity)]()
             tokens.append(int(self.token))
@@ -317,25 +314,27 @@ class StaticLlama:
 
     def _session_decode(self, session: DraftSession, prompt_ids, max_new_tokens, stop_ids, k) -> SpecResult:
         """Host-driven rounds for drafter doubles: the static target, the drafter's own extend/draft."""
-        start_time = time.perf_counter()
-        aux_layers = tuple(i - 1 for i in capture_indices(session.aux_layer_ids, len(self.layers)))
-        predicted, aux = self.prefill(prompt_ids, aux_layers)
-        tokens = [int(predicted[0, -1])]
-        forwards, lengths, accepted_per_position = 1, [], [0] * k
-        pending = (aux, list(prompt_ids[1:]) + tokens, 0)
-        while not _finished(tokens, max_new_tokens, stop_ids):
-            current_position = len(prompt_ids) + len(tokens) - 1
-            session.extend(*pending)
-            drafts = session.draft(k)
-            ids = torch.tensor([[tokens[-1], *drafts]], device=self.device)
-            predicted, aux = self.predict(ids, current_position + torch.arange(k + 1, device=self.device), aux_layers)
-            forwards += 1
-            accepted, new = accept(drafts, predicted[0].tolist(), accepted_per_position)
-            emitted = _emit(tokens, new, max_new_tokens, stop_ids)
-            tokens += emitted
-            lengths.append(len(emitted))
-            pending = (aux[:, : accepted + 1], new, current_position)  # later slots are overwritten, not cropped
-        return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_position)
+        return speculative_rounds(_StaticVerifier(self, session.aux_layer_ids), session, prompt_ids, max_new_tokens, stop_ids, k)
+
+
+class _StaticVerifier:
+    """The target side of a host-driven round on the static cache (eyrie.decode_common.Verifier)."""
+
+    def __init__(self, target: StaticLlama, aux_layer_ids):
+        self.target = target
+        self.aux_layers = tuple(i - 1 for i in capture_indices(aux_layer_ids, len(target.layers)))
+
+    def prefill(self, prompt_ids):
+        predicted, aux = self.target.prefill(prompt_ids, self.aux_layers)
+        return int(predicted[0, -1]), aux
+
+    def verify(self, ids, position):
+        device = self.target.device
+        predicted, aux = self.target.predict(torch.tensor([ids], device=device), position + torch.arange(len(ids), device=device), self.aux_layers)
+        return predicted[0].tolist(), aux
+
+    def keep(self, length):
+        pass  # slots past `length` are overwritten by the next forward, never cropped
 
 
 # --------------------------------------------------------------------------- drafter
@@ -433,7 +432,7 @@ class StaticEagle3:
             for span in spans_up_to(self.capacity):
                 self.target.token.zero_()
                 self.target.position.zero_()  # warm-up runs write slots 0..2k, later overwritten by the prefill
-                self.rounds[span] = Replay(functools.partial(self._round, span), self.target.use_graphs)
+                self.rounds[span] = Replay(functools.partial(self._round, span), self.target.use_graphs, self.target.capture_failures)
         return self.rounds
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, k: int) -> SpecResult:
@@ -455,7 +454,7 @@ class StaticEagle3:
         tokens = [int(first)]
         forwards, lengths, accepted_per_position = 1, [], [0] * k
         self.drafted = []  # per round: the k drafts, for tests and diagnosis
-        while not _finished(tokens, max_new_tokens, stop_ids):
+        while not finished(tokens, max_new_tokens, stop_ids):
             current = count + len(tokens) - 1  # position of target.token; the round writes slots up to current + k
             rounds[span_for(current + k + 1, self.capacity)]()
             out = self.round_out.tolist()  # the round's one host sync
@@ -464,7 +463,7 @@ class StaticEagle3:
             forwards += 1
             for j in range(accepted):
                 accepted_per_position[j] += 1
-            emitted = _emit(tokens, predicted[: accepted + 1], max_new_tokens, stop_ids)  # accepted drafts == predicted
+            emitted = emit(tokens, predicted[: accepted + 1], max_new_tokens, stop_ids)  # accepted drafts == predicted
             tokens += emitted
             lengths.append(len(emitted))
         return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_position)

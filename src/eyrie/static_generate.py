@@ -54,7 +54,7 @@ class BatchedGreedy(StaticLlama):
         for span in spans_up_to(self.capacity):  # before any prefill: warm-ups write cache slots and state
             self.slot.zero_()
             self.step.zero_()
-            self.steps[span] = Replay(functools.partial(self._decode_step, span), self.use_graphs)
+            self.steps[span] = Replay(functools.partial(self._decode_step, span), self.use_graphs, self.capture_failures)
 
     def _emit(self, predicted: torch.Tensor) -> None:
         """Store each row's new token (padding once finished) and feed it to the next step."""

@@ -7,9 +7,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.artifacts import read_parquet_metadata
+from eyrie.atomic import write_parquet_atomically
 from eyrie.chat import tokenize_conversation
 from eyrie.errors import ContractError
-from eyrie.generate import write_parquet_atomic
 
 TOKENS_SCHEMA = pa.schema(
     [
@@ -30,13 +31,8 @@ def answered_messages(messages: list[dict]) -> list[dict]:
     return messages[: last_reply + 1]
 
 
-def read_eyrie_metadata(path: str) -> dict:
-    metadata = pq.read_schema(path).metadata or {}
-    return json.loads(metadata.get(b"eyrie", b"{}"))
-
-
 def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_sha256: str, max_seq_len: int) -> dict:
-    source = read_eyrie_metadata(completions_path)
+    source = read_parquet_metadata(completions_path)
     if source.get("template_sha256") not in (None, template_sha256):
         raise ContractError(
             f"{completions_path}: was generated with chat template {source['template_sha256'][:12]}, "
@@ -80,5 +76,5 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
         "stats": stats,
     }
     table = pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(metadata).encode()})
-    write_parquet_atomic(table, out_path)
+    write_parquet_atomically(table, out_path)
     return stats

@@ -706,7 +706,8 @@ def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor) -> Ea
 
 def _check_inputs(*, cache: HiddenCache, target_config, d2t, t2d, vocab_manifest: dict, vocab_path: str, drafter_cfg: dict, template_sha256: str, target_fingerprint: str) -> list[int]:
     """Every guard that must pass before a single step; returns the aux layer ids to train with."""
-    from eyrie.hidden import capture_indices, check_manifest, default_aux_layer_ids
+    from eyrie.aux_layers import capture_indices, default_aux_layer_ids
+    from eyrie.hidden import check_manifest
     from eyrie.vocab import VocabError, check_vocab
 
     V, H, N = int(target_config.vocab_size), int(target_config.hidden_size), int(target_config.num_hidden_layers)

@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eyrie.atomic import write_atomically
-from eyrie.errors import EyrieError
+from eyrie.artifacts import MANIFEST_KEY, ArtifactError, read_parquet_metadata, read_safetensors_manifest
+from eyrie.atomic import write_safetensors_atomically
+from eyrie.errors import ContractError, EyrieError
 
-MANIFEST_KEY = "manifest"
 
 
 class VocabError(EyrieError):
@@ -31,17 +31,12 @@ class VocabSizeError(VocabError):
     pass
 
 
-class VocabTemplateError(VocabError):
-    pass
-
-
 class VocabClippedWarning(UserWarning):
     """Fewer distinct assistant tokens were seen than the requested draft vocabulary size."""
 
 
 def _shard_template(path: str) -> str | None:
-    metadata = pq.read_schema(path).metadata or {}
-    return json.loads(metadata.get(b"eyrie", b"{}")).get("template_sha256")
+    return read_parquet_metadata(path).get("template_sha256")
 
 
 def count_assistant_tokens(token_shards: list[str], target_vocab_size: int) -> np.ndarray:
@@ -77,14 +72,6 @@ def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
     return np.sort(order[:draft_vocab_size]).astype(np.int64)
 
 
-def _save_atomic(tensors: dict, metadata: dict, out_path: str | Path) -> None:
-    """safetensors bytes to a temp name beside out_path, then os.replace: readers never see a partial file."""
-    from safetensors.torch import save
-
-    # save() + a plain write rather than save_file(): the file gets the usual umask permissions.
-    write_atomically(out_path, lambda temporary: temporary.write_bytes(save(tensors, metadata=metadata)))
-
-
 def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_vocab_size: int, out_path: str) -> dict:
     """Count assistant tokens, keep the most frequent, write d2t/t2d/counts/draft_ids; returns the manifest."""
     import torch
@@ -104,7 +91,7 @@ def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_voc
     if len(distinct) != 1 or distinct[0] is None:
         groups = {t: [p for p, tp in templates.items() if tp == t] for t in distinct}
         detail = "; ".join(f"{(t or 'none')[:12]}: {', '.join(ps)}" for t, ps in groups.items())
-        raise VocabTemplateError(
+        raise ContractError(
             f"the token shards do not share one chat template fingerprint ({detail}); "
             "re-tokenize them all with the same target"
         )
@@ -148,7 +135,7 @@ def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_voc
         "draft_ids": torch.from_numpy(kept),
     }
     check_vocab(tensors["d2t"], tensors["t2d"])
-    _save_atomic(tensors, {MANIFEST_KEY: json.dumps(manifest)}, out_path)
+    write_safetensors_atomically(tensors, out_path, {MANIFEST_KEY: json.dumps(manifest)})
     return manifest
 
 
@@ -178,18 +165,16 @@ def check_vocab(d2t, t2d) -> None:
 
 def load_draft_vocab(path: str | Path):
     """(d2t int64 [Vd], t2d bool [V], manifest dict), checked to agree."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-    if MANIFEST_KEY not in metadata:
-        raise VocabError(f"{path}: not an eyrie draft vocabulary (no manifest in its metadata)")
+    try:
+        manifest = read_safetensors_manifest(path, "eyrie draft vocabulary")
+    except ArtifactError as exc:
+        raise VocabError(str(exc)) from None
     tensors = load_file(str(path))
     for key in ("d2t", "t2d"):
         if key not in tensors:
             raise VocabError(f"{path}: has no {key!r} tensor")
-    manifest = json.loads(metadata[MANIFEST_KEY])
     try:
         check_vocab(tensors["d2t"], tensors["t2d"])
     except VocabError as exc:
