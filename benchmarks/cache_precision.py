@@ -2,9 +2,9 @@
 
 Given a finished pipeline working directory W (W/config.yaml, W/results/hidden/<dataset>/<shard>.safetensors
 in bfloat16, W/results/vocab/draft_vocab.safetensors, the target under W/resources/models/ or model.path),
-this re-stores every cache shard as float8_e4m3fn with eyrie.hidden.convert_cache (extract_shard's own
-quantizer) in a temp dir, trains two drafters with eyrie.train.train_drafter from the same seed and the
-settings in W/config.yaml (one per cache), benchmarks both with eyrie.bench.run_benchmark on W's held-out
+this re-stores every cache shard as float8_e4m3fn with eyrie.hidden.cache.convert_cache (extract_shard's own
+quantizer) in a temp dir, trains two drafters with eyrie.training.train.train_drafter from the same seed and the
+settings in W/config.yaml (one per cache), benchmarks both with eyrie.bench.benchmark.run_benchmark on W's held-out
 prompts, and prints bytes/token and acceptance length of both and the relative change (target: within 2%).
 
 GPU:        python benchmarks/cache_precision.py --workdir W --out cache_precision.json
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from eyrie import config as eyrie_config
-from eyrie.bench import load_heldout_prompts, run_benchmark
-from eyrie.fp8 import FP8_NAME
-from eyrie.hidden import convert_cache, read_manifest
-from eyrie.model import load_tokenizer, model_fingerprint, template_fingerprint
-from eyrie.train import train_drafter
+from eyrie.bench.benchmark import load_heldout_prompts, run_benchmark
+from eyrie.hidden.fp8 import FP8_NAME
+from eyrie.hidden.cache import convert_cache, read_manifest
+from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
+from eyrie.training.train import train_drafter
 
 TOLERANCE = 0.02  # the largest acceptable relative change in acceptance length
 
@@ -101,7 +101,7 @@ def train(work: Workdir, caches: list[Path], out_dir: Path, train_cfg: dict) -> 
 
 
 def benchmark(work: Workdir, drafter_dir: Path, out_root: Path, label: str, small: bool, device: str) -> dict:
-    """Acceptance length over every held-out dataset (round-weighted, as eyrie.bench.summarise does within one)."""
+    """Acceptance length over every held-out dataset (round-weighted, as eyrie.bench.benchmark.summarise does within one)."""
     bench_cfg = {k: v for k, v in work.config["bench"].items() if k != "humaneval"}
     bench_cfg["min_acceptance_length"] = 0.0  # compare, do not gate
     if small:

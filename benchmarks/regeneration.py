@@ -85,7 +85,7 @@ def main() -> int:
 
     import torch
 
-    from eyrie.engine import TransformersEngine
+    from eyrie.generation.transformers_engine import TransformersEngine
 
     if args.small:
         args.prompts, args.max_new_tokens, args.longest_prompt, args.batch_sizes, args.static_batch_sizes = 6, 8, 40, "3", "3"

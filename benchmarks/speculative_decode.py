@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eyrie.bench import (
+from eyrie.bench.benchmark import (
     WARMUP_TOKENS,
     first_divergence,
     first_turn,
@@ -34,9 +34,9 @@ from eyrie.bench import (
     load_models,
     stop_ids_of,
 )
-from eyrie.chat import render
-from eyrie.decode import greedy_decode, speculative_decode
-from eyrie.static_decode import StaticLlama, needed_capacity
+from eyrie.target.chat_template import render
+from eyrie.decoding.decode import greedy_decode, speculative_decode
+from eyrie.decoding.static import StaticLlama, needed_capacity
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 BUILT_IN_QUESTIONS = [
@@ -79,7 +79,7 @@ def tiny_models(dtype, device):
     """A random Llama (GQA, 6 layers) and a random EAGLE-3 drafter over its whole vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eyrie.drafter import DrafterShape, Eagle3Drafter
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -117,8 +117,8 @@ def workdir_paths(args):
 
 def random_drafter(model):
     """An untrained drafter for the real target: every speed path runs, nearly nothing is accepted."""
-    from eyrie.drafter import DrafterShape, Eagle3Drafter
-    from eyrie.aux_layers import default_aux_layer_ids
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+    from eyrie.target.aux_layers import default_aux_layer_ids
 
     torch.manual_seed(0)
     vocab, draft_vocab = model.config.vocab_size, min(32000, model.config.vocab_size)
@@ -132,7 +132,7 @@ def random_drafter(model):
 
 
 def real_inputs(args, dtype_name, device):
-    from eyrie.model import load_target
+    from eyrie.target.model import load_target
 
     target_dir, drafter_dir, heldout, dataset = workdir_paths(args)
     if str(drafter_dir) == "random":

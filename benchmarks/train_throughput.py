@@ -1,6 +1,6 @@
 """Drafter training throughput and peak memory: the old path vs flex attention + chunked loss.
 
-Runs eyrie.train.train_step (the code train_drafter runs each step) on random features at the
+Runs eyrie.training.train.train_step (the code train_drafter runs each step) on random features at the
 Llama-3.1-8B drafter shape (H 4096, 32/8 heads, head_dim 128, intermediate 14336, draft vocab
 32000, target vocab 128256), L=2048, batch 1, 7 TTT steps, bf16 autocast, side by side in one
 process:
@@ -10,7 +10,7 @@ process:
     flex+chunked  flex attention (compiled) + chunked loss, bf16 frozen tensors, fused AdamW
     +recompute    the same with train.recompute_mlp
     +compiled     flex+chunked with train.compile: the layer's elementwise work (casts, RMSNorms,
-                  rotary, residual adds, SiLU * up) fused by torch.compile (eyrie.compiled_layers)
+                  rotary, residual adds, SiLU * up) fused by torch.compile (eyrie.training.compiled_layers)
 
 Each: tokens/s (median step time after warm-up; flex attention and train.compile compile in the
 first warm-up step, so no timed step includes compile time) and peak memory
@@ -34,8 +34,8 @@ import traceback
 
 import torch
 
-from eyrie.drafter import DrafterShape, Eagle3Drafter
-from eyrie.train import TTTObjective, make_optimizer, train_step
+from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+from eyrie.training.train import TTTObjective, make_optimizer, train_step
 
 SPECFORGE_TOKENS_PER_S = (16000.0, 19000.0)
 SPECFORGE_PEAK_GIB = 13.0

@@ -4,7 +4,7 @@ In the H200 pipeline run the drafter trained at ~78K tok/s once warm, but its fi
 10K tok/s: flex attention compiles for new shapes (rows x padded length, 7 key-block counts) and
 builds a BlockMask per padded length. This benchmark trains the pipeline's drafter shape (SmolLM2-135M:
 H 576, draft vocab 14,294, 7 TTT steps) on random features in batches planned exactly as train_drafter
-plans them (eyrie.train.plan_batches over ShareGPT-like lengths, 16,384 tokens per batch, epoch order
+plans them (eyrie.training.train.plan_batches over ShareGPT-like lengths, 16,384 tokens per batch, epoch order
 shuffled), each variant in its own process with an empty inductor cache, i.e. a fresh job:
 
     default         torch.compile(flex_attention): the first shape compiles static, the first change dynamic
@@ -47,8 +47,8 @@ def sample_lengths(count: int, seed: int, longest: int) -> list[int]:
 
 
 def run_variant(name: str, args) -> dict:
-    import eyrie.ttt_attention as ttt_attention
-    from eyrie.train import plan_batches
+    import eyrie.training.ttt_attention as ttt_attention
+    from eyrie.training.train import plan_batches
 
     ttt_attention.FLEX_DYNAMIC, ttt_attention.MIN_FLEX_BLOCKS = FLEX_SETTINGS[name]
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"

@@ -1,8 +1,8 @@
-# Snakemake entry point: assistant-token counts -> draft vocabulary (see eyrie.vocab).
+# Snakemake entry point: assistant-token counts -> draft vocabulary (see eyrie.data.vocab).
 from transformers import AutoConfig
 
-from eyrie.joblog import job_log
-from eyrie.vocab import build_draft_vocab
+from eyrie.core.joblog import job_log
+from eyrie.data.vocab import build_draft_vocab
 
 with job_log(snakemake.log[0]):
     build_draft_vocab(

@@ -1,6 +1,6 @@
-# Snakemake entry point: one dataset -> prompt shards, held-out split, summary (see eyrie.prompts).
-from eyrie.joblog import job_log
-from eyrie.prompts import build_prompts_for_dataset
+# Snakemake entry point: one dataset -> prompt shards, held-out split, summary (see eyrie.data.prompts).
+from eyrie.core.joblog import job_log
+from eyrie.data.prompts import build_prompts_for_dataset
 
 with job_log(snakemake.log[0]):
     build_prompts_for_dataset(

@@ -1,10 +1,10 @@
-# Snakemake entry point: token shard -> hidden-state cache (see eyrie.hidden).
+# Snakemake entry point: token shard -> hidden-state cache (see eyrie.hidden.cache).
 import torch
 
-from eyrie.aux_layers import default_aux_layer_ids
-from eyrie.hidden import extract_shard
-from eyrie.joblog import job_log
-from eyrie.model import load_target, model_fingerprint, template_fingerprint
+from eyrie.target.aux_layers import default_aux_layer_ids
+from eyrie.hidden.cache import extract_shard
+from eyrie.core.joblog import job_log
+from eyrie.target.model import load_target, model_fingerprint, template_fingerprint
 
 with job_log(snakemake.log[0]):
     torch.set_num_threads(snakemake.threads)

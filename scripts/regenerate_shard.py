@@ -1,10 +1,10 @@
-# Snakemake entry point: regenerate one prompt shard with the engine the config names (see eyrie.generate).
+# Snakemake entry point: regenerate one prompt shard with the engine the config names (see eyrie.generation.regenerate).
 from pathlib import Path
 
-from eyrie.engines import open_engine
-from eyrie.generate import regenerate_shard
-from eyrie.joblog import job_log
-from eyrie.model import model_fingerprint, template_fingerprint
+from eyrie.generation.engines import open_engine
+from eyrie.generation.regenerate import regenerate_shard
+from eyrie.core.joblog import job_log
+from eyrie.target.model import model_fingerprint, template_fingerprint
 
 dataset, shard = snakemake.wildcards.dataset, snakemake.wildcards.shard
 engine_config = snakemake.config["engine"]

@@ -1,8 +1,8 @@
-# Snakemake entry point: speculative vs plain greedy decoding on one benchmark (see eyrie.bench).
+# Snakemake entry point: speculative vs plain greedy decoding on one benchmark (see eyrie.bench.benchmark).
 import torch
 
-from eyrie.bench import run_benchmark_job
-from eyrie.joblog import job_log
+from eyrie.bench.benchmark import run_benchmark_job
+from eyrie.core.joblog import job_log
 
 with job_log(snakemake.log[0]):
     torch.set_num_threads(snakemake.threads)

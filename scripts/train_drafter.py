@@ -1,10 +1,10 @@
-# Snakemake entry point: hidden-state caches -> EAGLE-3 drafter checkpoint (see eyrie.train).
+# Snakemake entry point: hidden-state caches -> EAGLE-3 drafter checkpoint (see eyrie.training.train).
 # train.processes > 1: the same training as several data-parallel ranks under torchrun.
 import torch
 
-from eyrie.joblog import job_log
-from eyrie.model import load_tokenizer, model_fingerprint, template_fingerprint
-from eyrie.train import launch_data_parallel, train_drafter
+from eyrie.core.joblog import job_log
+from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
+from eyrie.training.train import launch_data_parallel, train_drafter
 
 with job_log(snakemake.log[0]):
     torch.set_num_threads(snakemake.threads)

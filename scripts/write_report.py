@@ -1,6 +1,6 @@
-# Snakemake entry point: everything built so far -> report.html (see eyrie.report).
-from eyrie.joblog import job_log
-from eyrie.report import write_report
+# Snakemake entry point: everything built so far -> report.html (see eyrie.report.build).
+from eyrie.core.joblog import job_log
+from eyrie.report.build import write_report
 
 with job_log(snakemake.log[0]):
     write_report(

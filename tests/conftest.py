@@ -53,7 +53,7 @@ def model_dir(shared_resources) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from eyrie.model import load_tokenizer
+    from eyrie.target.model import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -61,7 +61,7 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="session")
 def target(model_dir):
     """(model, tokenizer) of the default target in float32 on the CPU, loaded once for every test that reads it."""
-    from eyrie.model import load_target
+    from eyrie.target.model import load_target
 
     return load_target(model_dir, dtype="float32", device="cpu")
 

@@ -10,13 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eyrie.errors import ContractError
-from eyrie.bench import (
+from eyrie.core.errors import ContractError
+from eyrie.bench.benchmark import (
     DrafterNotEngagedError,
     load_benchmark_prompts,
     run_benchmark,
 )
-from eyrie.errors import BadRecordError
+from eyrie.core.errors import BadRecordError
 
 PROMPTS = [
     {"id": "p-1", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
@@ -40,8 +40,8 @@ def one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    from eyrie.drafter import DrafterShape, Eagle3Drafter
-    from eyrie.aux_layers import default_aux_layer_ids
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+    from eyrie.target.aux_layers import default_aux_layer_ids
 
     model, _ = target
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def save_drafter(drafter, out_dir, template_sha256: str, **eyrie):
     """A drafter directory as the train stage writes it: SGLang's config plus eyrie's block, safetensors."""
     from safetensors.torch import save_file
 
-    from eyrie.train import checkpoint_tensors
+    from eyrie.training.train import checkpoint_tensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config = drafter.shape.sglang_config(torch_dtype="float32")
@@ -71,10 +71,10 @@ def test_a_benchmark_without_prompts_is_recorded_not_failed(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eyrie.bench import run_benchmark_job
+    from eyrie.bench.benchmark import run_benchmark_job
 
     heldout = tmp_path / "heldout.parquet"
-    from eyrie.prompts import PROMPT_SCHEMA
+    from eyrie.data.prompts import PROMPT_SCHEMA
 
     pq.write_table(pa.Table.from_pylist([], schema=PROMPT_SCHEMA), heldout)
     out = tmp_path / "bench" / "small.json"
@@ -84,7 +84,7 @@ def test_a_benchmark_without_prompts_is_recorded_not_failed(tmp_path):
 
 
 def test_not_engaged_drafter_fails_after_writing_everything_measured(tmp_path, model_dir, target, drafter):
-    from eyrie.model import template_fingerprint
+    from eyrie.target.model import template_fingerprint
 
     _, tokenizer = target
     drafter_dir = save_drafter(drafter, tmp_path / "drafter", template_fingerprint(tokenizer))
@@ -139,7 +139,7 @@ def test_transformers_decoder_is_recorded_with_the_reason(tmp_path, model_dir, d
 
 
 def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, drafter):
-    from eyrie.model import template_fingerprint
+    from eyrie.target.model import template_fingerprint
 
     out = tmp_path / "bench.json"
     with pytest.raises(ContractError, match="template_sha256_expected is 000000000000"):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from eyrie import config as cfg
-from eyrie.errors import ConfigError
+from eyrie.core.errors import ConfigError
 
 from conftest import REPO, TINY_CONFIG
 
@@ -28,8 +28,8 @@ def test_default_and_tiny_configs_are_valid_and_get_defaults():
 
 
 def test_train_and_drafter_defaults_mirror_the_schema():
-    """eyrie.train fills partial sections (library callers, tests) with the schema's defaults."""
-    from eyrie.train import DRAFTER_DEFAULTS, TRAIN_DEFAULTS
+    """eyrie.training.train fills partial sections (library callers, tests) with the schema's defaults."""
+    from eyrie.training.train import DRAFTER_DEFAULTS, TRAIN_DEFAULTS
 
     schema = cfg.load_schema()["properties"]
     for section, defaults in (("train", TRAIN_DEFAULTS), ("drafter", DRAFTER_DEFAULTS)):

@@ -1,11 +1,11 @@
-"""float8_e4m3fn storage of hidden states: per-token, per-layer-block scales (eyrie.fp8)."""
+"""float8_e4m3fn storage of hidden states: per-token, per-layer-block scales (eyrie.hidden.fp8)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eyrie.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks
+from eyrie.hidden.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks
 
 
 def relative_norm_error(x, y, blocks):

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eyrie.aux_layers import AuxLayerError, capture_indices, default_aux_layer_ids
-from eyrie.errors import ContractError
-from eyrie.hidden import (
+from eyrie.target.aux_layers import AuxLayerError, capture_indices, default_aux_layer_ids
+from eyrie.core.errors import ContractError
+from eyrie.hidden.cache import (
     HiddenCacheMismatchError,
     check_manifest,
     extract_shard,
@@ -21,7 +21,7 @@ from eyrie.hidden import (
     plan_token_batches,
     read_manifest,
 )
-from eyrie.tokenize import TOKENS_SCHEMA
+from eyrie.data.tokenize import TOKENS_SCHEMA
 
 AUX = [1, 14, 26]  # the SmolLM2 (30 layers) default: [1, N//2 - 1, N - 4]
 FINGERPRINT = "f" * 64
@@ -76,7 +76,7 @@ def test_writer_settles_its_own_size_for_any_length(tmp_path):
     """The manifest states the file's size, which depends on the manifest: the writer must settle for every length."""
     from safetensors.torch import load_file
 
-    from eyrie.hidden import _SafetensorsWriter
+    from eyrie.hidden.cache import _SafetensorsWriter
 
     for tokens in range(1, 400, 3):
         path = tmp_path / f"{tokens}.safetensors"
@@ -98,14 +98,14 @@ def test_writer_settles_its_own_size_for_any_length(tmp_path):
 
 @pytest.fixture(scope="module")
 def template(target):
-    from eyrie.model import template_fingerprint
+    from eyrie.target.model import template_fingerprint
 
     return template_fingerprint(target[1])
 
 
 @pytest.fixture(scope="module")
 def token_shard(target, template, tmp_path_factory):
-    from eyrie.chat import tokenize_conversation
+    from eyrie.target.chat_template import tokenize_conversation
 
     rows = []
     for k, messages in enumerate(CONVERSATIONS):
@@ -344,14 +344,14 @@ def test_fp8_cache_dequantizes_close_to_the_fp32_states(caches):
 
 
 def test_fp8_cache_stores_float8_and_scales(caches):
-    from eyrie.fp8 import quantize_blocks
+    from eyrie.hidden.fp8 import quantize_blocks
 
     stored, manifest = load_hidden(caches["fp8"][2], dequantize=False)
     T = manifest["tokens"]
     assert stored["aux_hidden"].dtype == stored["final_hidden"].dtype == torch.float8_e4m3fn
     assert stored["aux_scale"].shape == (T, 3) and stored["final_scale"].shape == (T, 1)
     assert stored["aux_scale"].dtype == torch.float32
-    # The same fp32 states through the quantizer give the same bytes: extraction uses eyrie.fp8 as is.
+    # The same fp32 states through the quantizer give the same bytes: extraction uses eyrie.hidden.fp8 as is.
     q, scale = quantize_blocks(caches["batched"][0]["aux_hidden"], 3)
     assert torch.equal(stored["aux_hidden"].view(torch.uint8), q.view(torch.uint8))
     torch.testing.assert_close(stored["aux_scale"], scale, rtol=0, atol=0)
@@ -372,7 +372,7 @@ def test_fp8_cache_halves_the_bytes_per_token(caches):
 
 def test_trainer_reads_fp8_and_bf16_caches_as_stored(caches):
     """HiddenCache.batch (what training reads) dequantizes fp8 and returns bf16 values unchanged."""
-    from eyrie.train import HiddenCache
+    from eyrie.training.train import HiddenCache
 
     for mode in ("fp8", "bf16"):
         tensors, manifest, path = caches[mode]
@@ -387,7 +387,7 @@ def test_trainer_reads_fp8_and_bf16_caches_as_stored(caches):
 
 def test_convert_cache_to_fp8_matches_extraction(caches, tmp_path):
     """A bf16/fp32 cache re-stored as fp8 (cache_precision benchmark) uses the extraction's quantizer."""
-    from eyrie.hidden import convert_cache
+    from eyrie.hidden.cache import convert_cache
 
     _, source_manifest, source = caches["batched"]
     manifest = convert_cache(source, tmp_path / "fp8.safetensors", "float8_e4m3fn", rows_per_chunk=7)
@@ -404,7 +404,7 @@ def test_convert_cache_to_fp8_matches_extraction(caches, tmp_path):
 
 
 def test_a_failed_background_write_is_raised(tmp_path):
-    from eyrie.hidden import HiddenCacheError, _BackgroundRows
+    from eyrie.hidden.cache import HiddenCacheError, _BackgroundRows
 
     class FailingWriter:
         path = tmp_path / "x.safetensors"
@@ -423,7 +423,7 @@ def test_a_failed_background_write_is_raised(tmp_path):
 
 
 def test_unknown_cache_dtype_is_refused_with_the_choices(target, template, token_shard, tmp_path):
-    from eyrie.hidden import HiddenCacheError
+    from eyrie.hidden.cache import HiddenCacheError
 
     with pytest.raises(HiddenCacheError, match="hidden.dtype.*float8_e4m3fn"):
         extract(target, template, token_shard, tmp_path, "bad", batch_tokens=64, dtype="float8_e5m2")

@@ -28,10 +28,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.errors import ConfigError
-from eyrie.generate import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, regenerate_shard, settings_key
-from eyrie.openai_engine import OpenAIEngine, ServerUnavailable
-from eyrie.partial import PartialLog
+from eyrie.core.errors import ConfigError
+from eyrie.generation.regenerate import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, regenerate_shard, settings_key
+from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable
+from eyrie.generation.partial import PartialLog
 
 SETTINGS = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
 
@@ -408,7 +408,7 @@ def test_shard_through_transformers_serve_has_the_in_process_engines_records(tmp
 
     import torch
 
-    from eyrie.engine import TransformersEngine
+    from eyrie.generation.transformers_engine import TransformersEngine
 
     torch.set_num_threads(2)
     write_prompts(tmp_path / "local" / "p.parquet", PROMPTS)
@@ -468,8 +468,8 @@ def test_server_killed_mid_shard_then_restarted(tmp_path, serve):
 
 DRIVER = r"""
 import json, sys
-from eyrie.generate import regenerate_shard
-from eyrie.openai_engine import OpenAIEngine
+from eyrie.generation.regenerate import regenerate_shard
+from eyrie.generation.openai_engine import OpenAIEngine
 workdir, url, settings, in_flight = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 engine = OpenAIEngine([url], max_in_flight=in_flight, timeout_s=300, health_timeout_s=120, max_retries=2, backoff_s=0.2)
 regenerate_shard(prompts_path=f"{workdir}/p.parquet", out_path=f"{workdir}/c.parquet", partial_dir=f"{workdir}/partial",

@@ -165,7 +165,7 @@ def test_reordering_the_config_reruns_nothing(built):
 
 
 def test_whole_chain_produced_a_servable_drafter_and_measured_benchmarks(built):
-    from eyrie.drafter import DrafterShape, check_checkpoint
+    from eyrie.drafter.model import DrafterShape, check_checkpoint
     from safetensors.torch import load_file
 
     config = json.loads((built / "results/drafter/config.json").read_text())
@@ -182,10 +182,10 @@ def test_trained_drafter_beats_a_random_one_on_acceptance(built, model_dir):
     """On the target's own replies, a few training steps already make drafts that the target accepts."""
     import torch
 
-    from eyrie.chat import render
-    from eyrie.model import load_target
-    from eyrie.speculative import speculative_decode
-    from eyrie.train import load_drafter
+    from eyrie.target.chat_template import render
+    from eyrie.target.model import load_target
+    from eyrie.decoding.transformers_path import speculative_decode
+    from eyrie.training.train import load_drafter
 
     torch.manual_seed(0)
     target, tokenizer = load_target(built / "resources/models/SmolLM2-135M-Instruct", dtype="float32", device="cpu")
@@ -229,7 +229,7 @@ def test_two_training_processes_through_the_snakefile(built):
     """train.processes: 2 reruns training (and what follows) as two torchrun ranks, and the drafter is servable."""
     from safetensors.torch import load_file
 
-    from eyrie.drafter import DrafterShape, check_checkpoint
+    from eyrie.drafter.model import DrafterShape, check_checkpoint
 
     config_path = built / "config.yaml"
     original = config_path.read_text()

@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eyrie import config as cfg
-from eyrie.generate import settings_key
-from eyrie.model import model_fingerprint
-from eyrie.partial import PartialLog
+from eyrie.generation.regenerate import settings_key
+from eyrie.target.model import model_fingerprint
+from eyrie.generation.partial import PartialLog
 from eyrie.plan import build_plan, format_plan
 
 

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.errors import BadRecordError, InputFileError
-from eyrie.prompts import PROMPT_SCHEMA, build_prompts, is_heldout, shard_of, stable_unit
-from eyrie.sources import RawRecord, iter_file_records
+from eyrie.core.errors import BadRecordError, InputFileError
+from eyrie.data.prompts import PROMPT_SCHEMA, build_prompts, is_heldout, shard_of, stable_unit
+from eyrie.data.sources import RawRecord, iter_file_records
 
 
 def sharegpt(record_id, *turns):

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.generate import COMPLETIONS_SCHEMA
-from eyrie.tokenize import TOKENS_SCHEMA
+from eyrie.generation.regenerate import COMPLETIONS_SCHEMA
+from eyrie.data.tokenize import TOKENS_SCHEMA
 
-from eyrie.report import collect, write_report
+from eyrie.report.build import collect, write_report
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -273,7 +273,7 @@ HIDDEN_SHARDS = {
     ("sharegpt", "0001"): (1, 60, 30, 34_000),
 }
 TTT = 3
-LOG = [  # training_log.json entries as eyrie.train writes them
+LOG = [  # training_log.json entries as eyrie.training.train writes them
     {"step": s, "epoch": s / 20, "lr": 3e-4, "loss": loss, "loss_per_step": [loss * 0.8, loss, loss * 1.2],
      "acc_per_step": acc, "positions_per_step": [100, 90, 80], "tokens_per_second": 900.0}
     for s, loss, acc in [(10, 4.0, [0.2, 0.1, None]), (20, 3.0, [0.4, 0.3, 0.2]), (30, 2.5, [0.5, 0.4, 0.3]),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eyrie.report import write_report
+from eyrie.report.build import write_report
 from test_report import _back_half, _inputs
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").is_file() else None)

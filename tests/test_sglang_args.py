@@ -32,8 +32,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.errors import ConfigError
-from eyrie.sglang_server import command_from_config, launch_command, managed_server, shared_server
+from eyrie.core.errors import ConfigError
+from eyrie.generation.sglang_server import command_from_config, launch_command, managed_server, shared_server
 from test_openai_engine import PROMPTS, STUB_SERVER, run_shard, write_prompts
 
 SGLANG_VERSION = "0.5.23"
@@ -166,7 +166,7 @@ def started_pid(text: str) -> int:
 
 
 def test_managed_server_regenerates_and_always_stops(tmp_path, fake_sglang, capsys):
-    from eyrie.openai_engine import OpenAIEngine
+    from eyrie.generation.openai_engine import OpenAIEngine
 
     write_prompts(tmp_path / "p.parquet", PROMPTS)
     log = tmp_path / "logs" / "sglang" / "t" / "0000.log"
@@ -188,7 +188,7 @@ def test_managed_server_regenerates_and_always_stops(tmp_path, fake_sglang, caps
 
 JOB = r"""
 import sys, time
-from eyrie.sglang_server import launch_command, managed_server
+from eyrie.generation.sglang_server import launch_command, managed_server
 with managed_server(lambda port: launch_command("stub-model", port), sys.argv[1], startup_timeout_s=30):
     print("up", flush=True)
     time.sleep(120)

@@ -184,7 +184,7 @@ def squeue_jobs(name_prefix: str) -> list[dict]:
 
 
 def partial_rows(workdir: Path) -> list[dict]:
-    from eyrie.partial import PartialLog
+    from eyrie.generation.partial import PartialLog
 
     logs = list((workdir / "results/partial/completions" / SLOW_SHARD).glob("*.jsonl"))
     return list(PartialLog(logs[0]).load().values()) if logs else []

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.errors import InputFileError
-from eyrie.sources import RawRecord, iter_file_records, iter_hf_records, read_source
+from eyrie.core.errors import InputFileError
+from eyrie.data.sources import RawRecord, iter_file_records, iter_hf_records, read_source
 
 SHAREGPT = [
     {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from eyrie.chat import render
-from eyrie.drafter import DraftCache, DrafterShape, Eagle3Drafter
-from eyrie.aux_layers import capture_indices, default_aux_layer_ids
-from eyrie.speculative import Eagle3Chain, greedy_decode, speculative_decode
+from eyrie.target.chat_template import render
+from eyrie.drafter.model import DraftCache, DrafterShape, Eagle3Drafter
+from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.decoding.transformers_path import Eagle3Chain, greedy_decode, speculative_decode
 
 MAX_NEW = 24
 QUESTIONS = [
@@ -198,7 +198,7 @@ def test_greedy_baseline_equals_transformers_generate(target, prompts, greedy, s
 
 
 def test_cache_keyword_follows_the_forward_signature():
-    from eyrie.speculative import cache_keyword
+    from eyrie.decoding.transformers_path import cache_keyword
 
     class Old(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None, **kwargs): ...

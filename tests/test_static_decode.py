@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyrie.chat import render
-from eyrie.drafter import DrafterShape, Eagle3Drafter
-from eyrie.aux_layers import capture_indices, default_aux_layer_ids
-from eyrie.decode import greedy_decode, speculative_decode
-from eyrie.speculative import Eagle3Chain
-from eyrie.static_decode import (
+from eyrie.target.chat_template import render
+from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.decoding.decode import greedy_decode, speculative_decode
+from eyrie.decoding.transformers_path import Eagle3Chain
+from eyrie.decoding.static import (
     StaticLlama,
     UnsupportedTargetError,
     needed_capacity,
@@ -133,7 +133,7 @@ def test_static_rounds_draft_exactly_like_the_eagle3_chain(k):
 
 
 def test_spans_double_from_the_smallest_and_end_at_the_capacity():
-    from eyrie.static_decode import span_for, spans_up_to
+    from eyrie.decoding.static import span_for, spans_up_to
 
     assert spans_up_to(64) == [64] and spans_up_to(256) == [256] and spans_up_to(1344) == [256, 512, 1024, 1344]
     assert [span_for(n, 1344) for n in (1, 256, 257, 1024, 1025, 1344)] == [256, 256, 512, 1024, 1344, 1344]
@@ -292,7 +292,7 @@ def cut_at_stop(row, stop_ids):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_batched_greedy_equals_left_padded_generate(kind, monkeypatch):
     """Rows of different lengths (one a single token), stop tokens, chunked prefill, then a smaller batch on the same cache."""
-    import eyrie.static_generate as static_generate
+    import eyrie.decoding.batched_greedy as static_generate
 
     model = tiny_model(kind, vocab_size=50, initializer_range=0.2)
     torch.manual_seed(3)
@@ -310,7 +310,7 @@ def test_batched_greedy_equals_left_padded_generate(kind, monkeypatch):
 
 def test_batched_greedy_across_attention_spans_and_early_exit():
     """Rows growing from the 256-slot span into 512; a batch whose rows all stop returns before the budget."""
-    from eyrie.static_generate import CHECK_EVERY, BatchedGreedy
+    from eyrie.decoding.batched_greedy import CHECK_EVERY, BatchedGreedy
 
     model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
     generator = torch.Generator().manual_seed(2)
@@ -326,7 +326,7 @@ def test_batched_greedy_across_attention_spans_and_early_exit():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_batched_greedy_graph_replays_equal_eager_runs():
-    from eyrie.static_generate import BatchedGreedy
+    from eyrie.decoding.batched_greedy import BatchedGreedy
 
     model = tiny_model("llama", vocab_size=50, initializer_range=0.2).cuda()
     prompts = [torch.randint(1, 50, (n,)).tolist() for n in (5, 300, 1, 30)]

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyrie.drafter import CheckpointError, DraftCache, DrafterShape, Eagle3Drafter, check_checkpoint
-from eyrie.errors import EyrieError
-from eyrie.train import (
+from eyrie.drafter.model import CheckpointError, DraftCache, DrafterShape, Eagle3Drafter, check_checkpoint
+from eyrie.core.errors import EyrieError
+from eyrie.training.train import (
     TrainingInputError,
     load_drafter,
     load_target_head,
@@ -61,7 +61,7 @@ def make_target(path, *, H=32, heads=4, kv_heads=2, intermediate=64, layers=8, V
 
 
 def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fingerprint=FINGERPRINT, seed=0, aux_width=None, final_scale=1.0):
-    """A hidden-state cache shard in eyrie.hidden's format, with random states from a fixed seed."""
+    """A hidden-state cache shard in eyrie.hidden.cache's format, with random states from a fixed seed."""
     aux_ids = aux_ids or [1, layers // 2 - 1, layers - 4]
     g = torch.Generator().manual_seed(seed)
     ids = torch.cat([torch.as_tensor(s[0], dtype=torch.int32) for s in samples])
@@ -496,7 +496,7 @@ def test_load_target_head_reads_untied_heads(tmp_path):
 
 
 def test_rms_norm_backward_equals_autograd_on_the_plain_formula():
-    from eyrie.drafter import RMSNorm
+    from eyrie.drafter.model import RMSNorm
 
     torch.manual_seed(0)
     for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -528,7 +528,7 @@ def _attention_inputs():
 
 def test_cuda_lengths_pad_to_whole_flex_tiles_and_never_to_one():
     """One 128-token tile recompiled flex attention (size-1 dims) for 23-27 s on an H200; CPU lengths stay as they are."""
-    from eyrie.ttt_attention import FLEX_BLOCK, padded_length
+    from eyrie.training.ttt_attention import FLEX_BLOCK, padded_length
 
     assert [padded_length(n, "cuda") for n in (1, 99, 256, 257, 2048)] == [2 * FLEX_BLOCK, 2 * FLEX_BLOCK, 256, 384, 2048]
     assert padded_length(99, "cpu") == 99
@@ -537,8 +537,8 @@ def test_cuda_lengths_pad_to_whole_flex_tiles_and_never_to_one():
 @pytest.mark.parametrize("pad_to", [1, 16])
 def test_flex_ttt_attention_matches_eager_outputs_and_gradients(monkeypatch, pad_to):
     """Flex attention (unfused on CPU) over [k_0 | ... | k_j] == DraftAttention.attend, padded rows included."""
-    import eyrie.ttt_attention as ttt_attention
-    from eyrie.train import ttt_hidden
+    import eyrie.training.ttt_attention as ttt_attention
+    from eyrie.training.train import ttt_hidden
 
     monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: pad_to * -(-length // pad_to))
     aux, ids, lengths = _attention_inputs()
@@ -566,7 +566,7 @@ def test_flex_ttt_attention_matches_eager_outputs_and_gradients(monkeypatch, pad
 
 def test_unfused_flex_attention_equals_the_dense_mask_path():
     """The CPU path (mask_mod materialised + SDPA) is what flex_attention itself computes."""
-    from eyrie.ttt_attention import dense_ttt_attention, ttt_block_mask, unfused_flex_attention
+    from eyrie.training.ttt_attention import dense_ttt_attention, ttt_block_mask, unfused_flex_attention
 
     torch.manual_seed(5)
     B, h, kv_h, T, hd, blocks = 2, 4, 2, 9, 8, 3
@@ -587,7 +587,7 @@ def test_unfused_flex_attention_equals_the_dense_mask_path():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention needs CUDA")
 def test_compiled_flex_matches_eager_on_cuda():
-    from eyrie.train import ttt_hidden
+    from eyrie.training.train import ttt_hidden
 
     _, ids, lengths = _attention_inputs()
     aux = torch.randn(2, 13, 192)  # H 64: compiled flex needs head_dim >= 16
@@ -607,7 +607,7 @@ def test_compiled_flex_matches_eager_on_cuda():
 
 
 def test_flex_selected_positions_equal_eager():
-    from eyrie.train import ttt_hidden
+    from eyrie.training.train import ttt_hidden
 
     aux, ids, lengths = _attention_inputs()
     model = tiny_model(Vd=40)
@@ -621,7 +621,7 @@ def test_flex_selected_positions_equal_eager():
 
 
 def test_resolve_attention():
-    from eyrie.ttt_attention import AttentionUnavailable, resolve_attention
+    from eyrie.training.ttt_attention import AttentionUnavailable, resolve_attention
 
     assert resolve_attention("auto", "cpu") == "eager"
     assert resolve_attention("eager", "cpu") == "eager"
@@ -638,7 +638,7 @@ def _reference_soft_ce(x, weight, probs, rows, argmax):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
 def test_chunked_soft_cross_entropy_equals_unchunked(dtype, tol):
-    from eyrie.draft_loss import chunked_soft_cross_entropy
+    from eyrie.training.draft_loss import chunked_soft_cross_entropy
 
     torch.manual_seed(4)
     n, H, Vd, N = 13, 6, 11, 20
@@ -658,7 +658,7 @@ def test_chunked_soft_cross_entropy_equals_unchunked(dtype, tol):
 
 
 def test_chunked_soft_cross_entropy_of_no_rows_gives_zero_gradients():
-    from eyrie.draft_loss import chunked_soft_cross_entropy
+    from eyrie.training.draft_loss import chunked_soft_cross_entropy
 
     weight = torch.randn(5, 4, requires_grad=True)
     loss, correct = chunked_soft_cross_entropy(torch.zeros(0, 4, requires_grad=True), weight, torch.rand(3, 5), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
@@ -668,7 +668,7 @@ def test_chunked_soft_cross_entropy_of_no_rows_gives_zero_gradients():
 
 def test_objective_with_chunked_loss_equals_the_reference_loss():
     """TTTObjective (flex + chunked) gives the loss and gradients of ttt_forward + ttt_loss (eager, unchunked)."""
-    from eyrie.train import TTTObjective
+    from eyrie.training.train import TTTObjective
 
     aux, ids, lengths = _attention_inputs()
     probs = torch.softmax(torch.randn(2 * 13, 40), -1)
@@ -727,7 +727,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.train", str(tmp_path / "args.json")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.training.train", str(tmp_path / "args.json")],
         capture_output=True, text=True, timeout=300, env=env,  # ~15 s alone; generous for a shared, loaded machine
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -748,8 +748,8 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
 
 def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
     """train_step selects trained positions by flat index (no host sync per use); the rows are the bool masks' rows."""
-    import eyrie.ttt_attention as ttt_attention
-    from eyrie.train import pick_positions, positions_of, ttt_hidden
+    import eyrie.training.ttt_attention as ttt_attention
+    from eyrie.training.train import pick_positions, positions_of, ttt_hidden
 
     g = torch.Generator().manual_seed(7)
     masks = [torch.rand(2, 13, generator=g) > 0.5 for _ in range(3)]
@@ -771,12 +771,12 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
                 assert a.shape == b.shape and a.shape[0] > 0 and torch.equal(a, b), attention
 
 
-# --------------------------------------------------------------------------- train.compile (eyrie.compiled_layers)
+# --------------------------------------------------------------------------- train.compile (eyrie.training.compiled_layers)
 
 
 def _train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5):
     """One train_step on a tiny drafter: (result, gradients, the objective's CompiledLayers)."""
-    from eyrie.train import TTTObjective, make_optimizer, train_step
+    from eyrie.training.train import TTTObjective, make_optimizer, train_step
 
     model = tiny_model(Vd=40).train()
     g = torch.Generator().manual_seed(seed)
@@ -799,7 +799,7 @@ def _compiled_graphs() -> dict[str, int]:
     """Dynamo's cache entries (compiled graphs) of each compiled piece."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from eyrie.compiled_layers import PIECES
+    from eyrie.training.compiled_layers import PIECES
 
     return {name: len(_debug_get_cache_entry_list(fn)) for name, fn in PIECES.items()}
 
@@ -811,7 +811,7 @@ def test_compiled_train_step_equals_eager_in_float32(monkeypatch, attention, rec
 
     (Not the updated weights: AdamW divides by sqrt(v), so a gradient element near zero turns a 1e-8
     difference into a visible step difference.)"""
-    import eyrie.ttt_attention as ttt_attention
+    import eyrie.training.ttt_attention as ttt_attention
 
     monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: 16 * -(-length // 16))
     eager, eager_grads, none = _train_step_once(False, attention, recompute_mlp)
@@ -849,7 +849,7 @@ def test_compiled_layers_do_not_recompile_for_new_batch_shapes():
 def test_compile_failure_mid_step_falls_back_to_eager_and_recomputes_along_the_same_path(monkeypatch):
     """A piece that fails to compile in TTT step 1 runs eagerly from then on; MLP recompute replays each
     piece's path (step 0 compiled, later steps eager), so backward still works and gives eager's gradients."""
-    from eyrie import compiled_layers
+    from eyrie.training import compiled_layers
 
     real, calls = compiled_layers._compiled, {"mlp_input": 0}
 

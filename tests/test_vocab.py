@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eyrie.tokenize import TOKENS_SCHEMA
-from eyrie.errors import ContractError
-from eyrie.vocab import (
+from eyrie.data.tokenize import TOKENS_SCHEMA
+from eyrie.core.errors import ContractError
+from eyrie.data.vocab import (
     VocabClippedWarning,
     VocabError,
     VocabSizeError,
@@ -153,8 +153,8 @@ def test_check_vocab_catches_index_instead_of_offset():
 
 def test_real_token_shard(tokenizer, tmp_path):
     """A shard tokenized with the real template: assistant tokens only, counted in the real vocab size."""
-    from eyrie.chat import tokenize_conversation
-    from eyrie.model import template_fingerprint
+    from eyrie.target.chat_template import tokenize_conversation
+    from eyrie.target.model import template_fingerprint
 
     conversation = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there, hi!"}]
     tokens = tokenize_conversation(tokenizer, conversation, 128)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 
 def _plan(args) -> None:

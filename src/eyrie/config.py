@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from eyrie.errors import ConfigError
+from eyrie.core.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "schemas" / "config.schema.yaml"

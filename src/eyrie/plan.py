@@ -18,9 +18,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from eyrie import config as cfg
-from eyrie.artifacts import parquet_metadata
-from eyrie.generate import ERROR, PROMPT_TOO_LONG, settings_key
-from eyrie.partial import PartialLog
+from eyrie.core.artifacts import parquet_metadata
+from eyrie.generation.regenerate import ERROR, PROMPT_TOO_LONG, settings_key
+from eyrie.generation.partial import PartialLog
 
 Z90 = 1.645  # two-sided 90% normal quantile
 
@@ -149,7 +149,7 @@ def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, d
     model_dir = workdir / (config["model"]["path"] or f"resources/models/{config['model']['name']}")
     model_fp = None
     if (model_dir / "config.json").exists():
-        from eyrie.model import model_fingerprint
+        from eyrie.target.model import model_fingerprint
 
         model_fp = model_fingerprint(model_dir)
     shards = [plan_shard(workdir, config, d, s, model_fp) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]

