@@ -27,13 +27,17 @@ def test_default_and_tiny_configs_are_valid_and_get_defaults():
     assert cfg.load(TINY_CONFIG)["train"]["compile"] is False  # opt-in
 
 
-def test_train_and_drafter_defaults_mirror_the_schema():
-    """eyrie.training.train fills partial sections (library callers, tests) with the schema's defaults."""
-    from eyrie.training.train import DRAFTER_DEFAULTS, TRAIN_DEFAULTS
+def test_library_callers_get_every_default_from_the_schema():
+    """Stages called with a partial section (library callers, tests) fill it from the schema, the only copy of the defaults."""
+    from eyrie.core.schema import load_schema, with_defaults
 
-    schema = cfg.load_schema()["properties"]
-    for section, defaults in (("train", TRAIN_DEFAULTS), ("drafter", DRAFTER_DEFAULTS)):
-        assert {k: v["default"] for k, v in schema[section]["properties"].items()} == defaults, section
+    schema = load_schema()["properties"]
+    for section in ("train", "drafter", "bench"):
+        properties = schema[section]["properties"]
+        missing = [name for name, spec in properties.items() if "default" not in spec]
+        assert not missing, f"{section}: settings without a default would be missing for library callers: {missing}"
+        filled = with_defaults(section, {"seed": 7})
+        assert filled == {**{k: v["default"] for k, v in properties.items()}, "seed": 7}, section
 
 
 def test_validation_does_not_mutate_its_input():

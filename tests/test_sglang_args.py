@@ -33,7 +33,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie.core.errors import ConfigError
-from eyrie.generation.sglang_server import command_from_config, launch_command, managed_server, shared_server
+from eyrie.generation.sglang_server import managed_server, shared_server
+from eyrie.target.serving import command_from_config, launch_command
 from test_openai_engine import PROMPTS, STUB_SERVER, run_shard, write_prompts
 
 SGLANG_VERSION = "0.5.23"
@@ -188,7 +189,8 @@ def test_managed_server_regenerates_and_always_stops(tmp_path, fake_sglang, caps
 
 JOB = r"""
 import sys, time
-from eyrie.generation.sglang_server import launch_command, managed_server
+from eyrie.generation.sglang_server import managed_server
+from eyrie.target.serving import launch_command
 with managed_server(lambda port: launch_command("stub-model", port), sys.argv[1], startup_timeout_s=30):
     print("up", flush=True)
     time.sleep(120)

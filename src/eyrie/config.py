@@ -15,9 +15,8 @@ import jsonschema
 import yaml
 
 from eyrie.core.errors import ConfigError
+from eyrie.core.schema import load_schema
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = REPO_ROOT / "schemas" / "config.schema.yaml"
 
 
 def _with_defaults(validator_class):
@@ -35,10 +34,6 @@ def _with_defaults(validator_class):
 
 
 _Validator = _with_defaults(jsonschema.Draft202012Validator)
-
-
-def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
 def _describe(error: jsonschema.ValidationError) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
+from eyrie.core.schema import with_defaults
 
 
 class BenchmarkError(EyrieError):
@@ -41,10 +42,6 @@ NOT_ENGAGED_CAUSES = (
 )
 
 # The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
-DEFAULTS = {
-    "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32", "prompts_per_dataset": 16,
-    "decoder": "auto",
-}
 WARMUP_TOKENS = 8
 
 
@@ -285,7 +282,7 @@ def run_benchmark(
 
     from eyrie.target.chat_template import render
 
-    cfg = {**DEFAULTS, **(bench_cfg or {})}
+    cfg = with_defaults("bench", bench_cfg)
     if not prompts:
         raise BenchmarkError(f"{benchmark_name}: no prompts to benchmark (is the held-out share of this dataset empty?)")
     model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
@@ -338,7 +335,7 @@ def run_benchmark(
 
 def run_benchmark_job(*, benchmark: str, prompts_path, drafter_dir, target_dir, bench_cfg: dict, out_path, **kwargs) -> dict:
     """The Snakemake job: load the benchmark's prompts, then run_benchmark (the drafter's config names its template)."""
-    cfg = {**DEFAULTS, **(bench_cfg or {})}
+    cfg = with_defaults("bench", bench_cfg)
     limit = (cfg.get("humaneval") or {}).get("limit") if benchmark == "humaneval" else cfg["prompts_per_dataset"]
     prompts = load_benchmark_prompts(benchmark, prompts_path, limit)
     if not prompts:

@@ -30,12 +30,13 @@ def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threa
     server = nullcontext(None)
     if kind == "sglang":
         from eyrie.generation import sglang_server
+        from eyrie.target.serving import command_from_config
 
         sglang = engine_config["sglang"]
         timeouts = {"startup_timeout_s": sglang["startup_timeout_s"], "shutdown_timeout_s": sglang["shutdown_timeout_s"]}
 
         def command(port: int) -> list[str]:
-            return sglang_server.command_from_config(sglang, model_dir, port)
+            return command_from_config(sglang, model_dir, port)
 
         if sglang["one_server_per_job"]:
             server = sglang_server.managed_server(command, server_log, **timeouts)

@@ -771,9 +771,9 @@ def _training_log(path: Path, warnings: list) -> dict[str, Any] | None:
 
 
 def _serve_command(config: dict, drafter_dir: str, bench: dict, warnings: list) -> dict[str, Any]:
-    """The SGLang command that serves the target with this drafter, built by eyrie.generation.sglang_server.launch_command."""
+    """The SGLang command that serves the target with this drafter, built by eyrie.target.serving.launch_command."""
     from eyrie.core.errors import EyrieError
-    from eyrie.generation.sglang_server import HOST, launch_command
+    from eyrie.target.serving import HOST, launch_command
 
     sglang = ((config.get("engine") or {}).get("sglang")) or {}
     measured = _distinct(b.get("draft_tokens") for b in bench["rows"] if b["built"])
