@@ -209,7 +209,7 @@ def test_trained_drafter_beats_a_random_one_on_acceptance(built, model_dir):
 
 
 def test_the_real_report_opens_in_chromium_and_shows_the_benchmark(built, tmp_path):
-    from test_report_browser import CHROMIUM, _chromium, _text
+    from report.test_browser import CHROMIUM, _chromium, _text
 
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")

@@ -724,7 +724,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
         "progress": False,
     }
     (tmp_path / "args.json").write_text(json.dumps(args))
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.training.train", str(tmp_path / "args.json")],

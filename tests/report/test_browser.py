@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from eyrie.report.build import write_report
-from test_report import _back_half, _inputs
+from report.test_build import _back_half, _inputs
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").is_file() else None)
 FLAGS = (
