@@ -473,3 +473,34 @@ def test_back_half_paths_that_do_not_exist_are_not_built(tmp_path):
     assert "Draft vocabulary not built yet." in html and "Drafter not built yet." in html
     assert "No speedup or acceptance length has been measured" in html
     assert "WARNING" not in html
+
+
+def test_foreign_and_broken_artifacts_are_warnings_that_name_the_file(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    kwargs = _back_half(tmp_path)
+    Path(kwargs["vocab"]).write_bytes(b"not safetensors")
+    foreign = kwargs["hidden"][0]
+    save_file({"x": torch.zeros(1)}, foreign, metadata={"other": "1"})  # a safetensors file eyrie did not write
+    bad_meta = tmp_path / "results" / "completions" / "chat" / "0003.parquet"
+    pq.write_table(pa.table({"n_turns": [1]}).replace_schema_metadata({b"eyrie": b"{not json"}), bad_meta)
+    out = tmp_path / "report.html"
+    write_report(config, summaries, completions + [str(bad_meta)], tokens, str(out), **kwargs)
+    html = out.read_text()
+    assert "draft_vocab.safetensors: not a readable safetensors file" in html
+    assert f"{foreign}: not an eyrie hidden-state cache (no manifest in its metadata)" in html
+    assert "0003.parquet: its eyrie metadata is not JSON" in html
+    assert "Draft vocabulary not built yet." in html and "hidden states: 2 of 4 shards" in html
+
+
+def test_serve_command_uses_the_schema_default_before_any_benchmark(tmp_path):
+    from eyrie.core.schema import section_defaults
+
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    kwargs = {**_back_half(tmp_path), "bench": []}
+    drafter = collect(config, summaries, completions, tokens, **kwargs)["drafter"]
+    k = section_defaults("bench")["draft_tokens"]
+    assert drafter["serve_draft_tokens"] == k and "default" in drafter["serve_draft_tokens_source"]
+    assert f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}" in drafter["serve_command"]

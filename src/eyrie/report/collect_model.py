@@ -1,0 +1,335 @@
+"""The back half of the page as plain dicts: draft vocabulary, hidden-state cache, drafter, benchmarks.
+
+Safetensors artifacts are read by their header alone through eyrie.core.artifacts (the
+vocabulary's `counts`, one int64 per target token, excepted: it draws the coverage curve); the
+drafter directory by its config.json and training_log.json; each benchmark by its JSON. A path
+that does not exist is a stage not built yet; one that exists but cannot be read, or that a
+stage wrote inconsistently, is a warning in its section, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eyrie.core.artifacts import ArtifactError, read_safetensors_manifest
+from eyrie.report.formats import fmt_num, show
+from eyrie.report.serve import serve_command
+from eyrie.report.values import distinct, number, rate, warn
+
+PLOT_POINTS = 400  # curves are thinned to about this many points: enough to read, light enough to embed
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FP8_DTYPE = "float8_e4m3fn"
+
+
+# ---------------------------------------------------------------- draft vocabulary
+
+
+def vocab_section(path: str | None, warnings: list) -> dict[str, Any] | None:
+    """The draft vocabulary: its manifest's figures and the coverage curve; None when not built (or unreadable: a warning)."""
+    if not path or not Path(path).exists():
+        return None
+    try:
+        manifest = read_safetensors_manifest(path, "eyrie draft vocabulary")
+        counts = _read_counts(str(path))
+    except ArtifactError as err:
+        warn(warnings, "vocab", str(err))
+        return None
+    size, requested = manifest.get("draft_vocab_size"), manifest.get("requested_draft_vocab_size")
+    clipped = bool(manifest.get("clipped"))
+    note = None
+    if clipped:
+        note = (
+            f"only {fmt_num(manifest.get('distinct_assistant_tokens'))} distinct assistant tokens were seen, "
+            f"fewer than the requested draft_vocab_size {fmt_num(requested)}; the draft vocabulary holds all of them "
+            "(more data, or a smaller drafter.draft_vocab_size, removes this note)"
+        )
+    return {
+        "path": str(path),
+        "draft_vocab_size": size,
+        "requested_draft_vocab_size": requested,
+        "target_vocab_size": manifest.get("target_vocab_size"),
+        "assistant_tokens": manifest.get("assistant_tokens"),
+        "distinct_assistant_tokens": manifest.get("distinct_assistant_tokens"),
+        "coverage": manifest.get("coverage"),
+        "clipped": clipped,
+        "clipped_note": note,
+        "template_sha256": manifest.get("template_sha256"),
+        "shards": manifest.get("shards"),
+        "curve": _coverage_curve(counts, size),
+    }
+
+
+def _read_counts(path: str) -> Any:
+    """The vocabulary's `counts` (one int64 per target token), the one tensor the report reads; None if absent."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="np") as handle:
+            return handle.get_tensor("counts") if "counts" in handle.keys() else None
+    except Exception as err:  # safetensors raises its own error types for a bad file
+        raise ArtifactError(f"{path}: could not read its counts ({type(err).__name__}: {err})") from None
+
+
+def _coverage_curve(counts: Any, draft_vocab_size: Any) -> dict[str, list] | None:
+    """Cumulative share of assistant tokens covered by the k most frequent ids, at about PLOT_POINTS k."""
+    if counts is None:
+        return None
+    values = np.sort(np.asarray(counts, dtype=np.int64).ravel())[::-1]
+    values = values[values > 0]
+    if not values.size:
+        return None
+    cumulative = np.cumsum(values) / values.sum()
+    ranks = np.unique(np.geomspace(1, values.size, PLOT_POINTS).round().astype(np.int64))
+    if isinstance(draft_vocab_size, int) and 1 <= draft_vocab_size <= values.size:
+        ranks = np.union1d(ranks, [draft_vocab_size])
+    return {"sizes": [int(k) for k in ranks], "coverage": [float(cumulative[k - 1]) for k in ranks], "distinct": int(values.size)}
+
+
+# ---------------------------------------------------------------- hidden-state cache
+
+
+HIDDEN_AGREE = (
+    ("aux_layer_ids", "aux layer ids"),
+    ("capture_indices", "capture indices"),
+    ("num_hidden_layers", "number of target layers"),
+    ("hidden_size", "hidden size"),
+    ("dtype", "dtype"),
+    ("template_sha256", "template_sha256"),
+    ("target_model_fingerprint", "target model fingerprint"),
+)
+
+
+def hidden_section(paths: list[str], order: list[str], warnings: list) -> dict[str, Any]:
+    """The hidden-state cache: per-shard manifests summed per dataset, the settings every shard must share, bytes per token."""
+    shards = []
+    for path in paths:
+        if not Path(path).exists():
+            continue
+        try:
+            manifest = read_safetensors_manifest(path, "eyrie hidden-state cache")
+        except ArtifactError as err:
+            warn(warnings, "hidden", str(err))
+            continue
+        file_bytes = manifest.get("file_bytes") or Path(path).stat().st_size
+        tokens = int(manifest.get("tokens") or 0)
+        shards.append({
+            "dataset": Path(path).parent.name,
+            "shard": Path(path).stem,
+            "samples": int(manifest.get("samples") or 0),
+            "tokens": tokens,
+            "assistant_tokens": int(manifest.get("assistant_tokens") or 0),
+            "file_bytes": int(file_bytes),
+            "bytes_per_token": rate(file_bytes, tokens),
+            **{key: manifest.get(key) for key, _ in HIDDEN_AGREE},
+        })
+    figures: dict[str, Any] = {"expected": len(paths), "shards": shards, "datasets": [], "total": None}
+    if not shards:
+        return figures
+    for key, label in HIDDEN_AGREE:
+        values = distinct(json.dumps(s[key]) for s in shards)
+        figures[key] = [json.loads(v) for v in values]
+        if len(values) > 1:
+            listing = ", ".join(f"{s['dataset']}/{s['shard']}: {show(s[key])}" for s in shards)
+            warn(warnings, "hidden", f"hidden-state shards disagree on the {label} ({listing}); a drafter cannot train on a mixed cache")
+    for ids, capture in {(json.dumps(s["aux_layer_ids"]), json.dumps(s["capture_indices"])) for s in shards}:
+        ids, capture = json.loads(ids), json.loads(capture)
+        if isinstance(ids, list) and capture != [int(i) + 1 for i in ids]:
+            warn(warnings, "hidden", f"capture indices {capture} are not the aux layer ids {ids} plus one: the cache does not follow SGLang's convention (output of layer i = output_hidden_states[i + 1])")
+    names = [n for n in order if any(s["dataset"] == n for s in shards)] + sorted({s["dataset"] for s in shards} - set(order))
+    figures["datasets"] = [_hidden_sum(n, [s for s in shards if s["dataset"] == n]) for n in names]
+    figures["total"] = _hidden_sum("overall", shards)
+    figures["reference"] = _bytes_reference(figures["hidden_size"], figures["dtype"], figures["total"]["bytes_per_token"])
+    return figures
+
+
+def _hidden_sum(name: str, shards: list[dict]) -> dict[str, Any]:
+    sums = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "assistant_tokens", "file_bytes")}
+    return {"name": name, "shards": len(shards), **sums, "bytes_per_token": rate(sums["file_bytes"], sums["tokens"])}
+
+
+def _bytes_reference(sizes: list, dtypes: list, measured: float | None) -> dict[str, Any] | None:
+    """Bytes per token of the payload alone: aux 3H + final H states, int32 input id, int8 loss mask (8H+5 in bf16)."""
+    if len(sizes) != 1 or not isinstance(sizes[0], int):
+        return None
+    h = sizes[0]
+    dtype = dtypes[0] if len(dtypes) == 1 else None
+    bf16 = 8 * h + 5
+    if dtype == FP8_DTYPE:  # 1 byte per state element plus a float32 scale per token for each of the 4 H-wide blocks
+        own, formula = 4 * h + 16 + 5, "4H+21"
+    else:
+        element = ELEMENT_BYTES.get(dtype)
+        own, formula = (4 * h * element + 5, f"{4 * element}H+5") if element else (None, None)
+    return {
+        "hidden_size": h,
+        "bf16": bf16,
+        "dtype": dtype,
+        "own": own,
+        "formula": formula,
+        "overhead": (measured / own - 1) if measured and own else None,
+        "vs_bf16": (measured / bf16) if measured else None,
+    }
+
+
+# ---------------------------------------------------------------- drafter
+
+
+def drafter_section(path: str | None, config: dict, bench: dict, warnings: list) -> dict[str, Any] | None:
+    """The drafter: config.json, its eyrie block's metrics, the training log and the SGLang command; None when not built."""
+    if not path or not Path(path).exists():
+        return None
+    directory = Path(path)
+    try:
+        model_config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(model_config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        warn(warnings, "drafter", f"could not read {directory / 'config.json'}: {err}")
+        return None
+    own = model_config.get("eyrie") if isinstance(model_config.get("eyrie"), dict) else {}
+    if not own:
+        warn(warnings, "drafter", f"{directory / 'config.json'} has no eyrie block: template, target and training metrics are unknown")
+    metrics = own.get("metrics") if isinstance(own.get("metrics"), dict) else {}
+    log = _training_log(directory / "training_log.json", warnings)
+    eagle = model_config.get("eagle_config") if isinstance(model_config.get("eagle_config"), dict) else {}
+    weights = directory / "model.safetensors"
+    accuracy = metrics.get("accuracy_per_step") or (log["acc_per_step_last"] if log else None) or []
+    losses = metrics.get("loss_per_step") or (log["loss_per_step_last"] if log else None) or []
+    ttt_steps = max(len(accuracy), len(losses)) or (own.get("drafter") or {}).get("ttt_steps")
+    if not weights.is_file():
+        warn(warnings, "drafter", f"{directory} has no model.safetensors: SGLang cannot load this drafter")
+    figures = {
+        "path": str(directory),
+        "architectures": [str(a) for a in model_config.get("architectures") or []],
+        "hidden_size": model_config.get("hidden_size"),
+        "target_hidden_size": model_config.get("target_hidden_size"),
+        "draft_vocab_size": model_config.get("draft_vocab_size"),
+        "vocab_size": model_config.get("vocab_size"),
+        "max_position_embeddings": model_config.get("max_position_embeddings"),
+        "torch_dtype": model_config.get("torch_dtype"),
+        "aux_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+        "weights_bytes": weights.stat().st_size if weights.is_file() else None,
+        "template_sha256": own.get("template_sha256"),
+        "target_fingerprint": own.get("target_fingerprint"),
+        "train": own.get("train") if isinstance(own.get("train"), dict) else {},
+        "ttt_steps": ttt_steps,
+        "metrics": {k: metrics.get(k) for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "loss", "over_steps")},
+        "final": [{"step": j, "accuracy": accuracy[j] if j < len(accuracy) else None, "loss": losses[j] if j < len(losses) else None} for j in range(ttt_steps or 0)],
+        "final_source": "config.json eyrie.metrics (about the last epoch)" if metrics.get("accuracy_per_step") else "the last training-log entry",
+        "log": log,
+    }
+    figures.update(serve_command(config, str(directory), bench, warnings))
+    return figures
+
+
+def _training_log(path: Path, warnings: list) -> dict[str, Any] | None:
+    """training_log.json as columns, thinned to about PLOT_POINTS entries for the plots."""
+    if not path.is_file():
+        warn(warnings, "drafter", f"{path} is missing: no training curves")
+        return None
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        warn(warnings, "drafter", f"could not read {path}: {err}")
+        return None
+    entries = [e for e in entries if isinstance(e, dict) and isinstance(e.get("step"), (int, float))] if isinstance(entries, list) else []
+    if not entries:
+        return None
+    keep = sorted(set(np.linspace(0, len(entries) - 1, min(len(entries), PLOT_POINTS)).round().astype(int).tolist()))
+    shown = [entries[i] for i in keep]
+    steps = max(len(e.get("acc_per_step") or []) for e in entries)
+
+    def column(key: str, j: int) -> list:
+        return [number((e.get(key) or [])[j]) if j < len(e.get(key) or []) else None for e in shown]
+
+    last = entries[-1]
+    return {
+        "entries": len(entries),
+        "shown": len(shown),
+        "step": [e["step"] for e in shown],
+        "loss": [number(e.get("loss")) for e in shown],
+        "lr": [number(e.get("lr")) for e in shown],
+        "tokens_per_second": [number(e.get("tokens_per_second")) for e in shown],
+        "loss_per_step": [column("loss_per_step", j) for j in range(steps)],
+        "acc_per_step": [column("acc_per_step", j) for j in range(steps)],
+        "acc_per_step_last": [number(a) for a in last.get("acc_per_step") or []],
+        "loss_per_step_last": [number(a) for a in last.get("loss_per_step") or []],
+        "first_loss": number(entries[0].get("loss")),
+        "last_loss": number(last.get("loss")),
+        "last_step": last["step"],
+    }
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def bench_section(paths: list[str], warnings: list) -> dict[str, Any]:
+    """The benchmarks: one row per JSON (not built when missing), with a unique anchor each."""
+    rows = [_bench_row(p, warnings) for p in paths]
+    for i, row in enumerate(rows):
+        row["anchor"] = f"bench-{i + 1}"  # names come from the files and may repeat; anchors must not
+    measured = [r for r in rows if r["built"] and r["measured"]]
+    return {"rows": rows, "measured": [r["name"] for r in measured]}
+
+
+def _bench_row(path: str, warnings: list) -> dict[str, Any]:
+    name = Path(path).stem
+    if not Path(path).exists():
+        return {"name": name, "path": path, "built": False, "measured": False, "error": None}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        warn(warnings, "bench", f"could not read {path}: {err}")
+        return {"name": name, "path": path, "built": False, "measured": False, "error": None}
+    name = str(data.get("benchmark") or name)
+    per_prompt = [p for p in data.get("per_prompt") or [] if isinstance(p, dict)]
+    prompts = int(data.get("prompts") if data.get("prompts") is not None else len(per_prompt))
+    identical = sum(1 for p in per_prompt if p.get("identical"))
+    divergences = [{"id": str(p.get("id")), "at": p.get("first_divergence")} for p in per_prompt if not p.get("identical")]
+    speedup = number(data.get("speedup"))
+    rates = [number(r) for r in data.get("acceptance_rate_per_position") or []]
+    row = {
+        "name": name,
+        "path": path,
+        "built": True,
+        "measured": prompts > 0 and number(data.get("mean_acceptance_length")) is not None,
+        "prompts": prompts,
+        "mean_acceptance_length": number(data.get("mean_acceptance_length")) if prompts else None,
+        "acceptance_rate_per_position": rates if prompts else [],
+        "rounds": data.get("rounds"),
+        "greedy_tokens_per_s": number(data.get("greedy_tokens_per_s")) if prompts else None,
+        "spec_tokens_per_s": number(data.get("spec_tokens_per_s")) if prompts else None,
+        "speedup": speedup if prompts else None,
+        "slower": bool(prompts and speedup is not None and speedup < 1),
+        "lossless": data.get("lossless") if prompts else None,
+        "identical": identical,
+        "checked": len(per_prompt),
+        "divergences": divergences,
+        "new_tokens": data.get("new_tokens"),
+        "draft_tokens": data.get("draft_tokens"),
+        "max_new_tokens": data.get("max_new_tokens"),
+        "min_acceptance_length": data.get("min_acceptance_length"),
+        "dtype": data.get("dtype"),
+        "decoder": data.get("decoder"),
+        "decoder_fallback_reason": data.get("decoder_fallback_reason"),
+        "device": data.get("device"),
+        "hardware": data.get("hardware"),
+        "torch": data.get("torch"),
+        "template_sha256": data.get("template_sha256"),
+        "error": str(data["error"]) if data.get("error") else None,
+        "per_prompt": [
+            {k: p.get(k) for k in ("id", "prompt_tokens", "new_tokens", "acceptance_length_mean", "rounds", "greedy_tokens_per_s", "spec_tokens_per_s", "identical", "first_divergence")}
+            for p in per_prompt
+        ],
+    }
+    if row["error"]:
+        warn(warnings, "bench", f"{name}: the benchmark reported an error: {row['error']}")
+    if prompts and row["lossless"] is False:
+        where = ", ".join(f"{d['id']} at new token {d['at']}" for d in divergences[:5]) or "no per-prompt detail"
+        warn(warnings, "bench", f"{name}: speculative output differs from plain greedy on {len(divergences)} of {row['checked']} prompts ({where}); speculative decoding must be lossless")
+    return row

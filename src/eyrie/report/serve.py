@@ -1,0 +1,85 @@
+"""The SGLang command that serves the target with the trained drafter, as the drafter section shows it.
+
+The command itself is built by eyrie.target.serving.launch_command, the one place that knows
+SGLang's flags; this module only chooses what goes into it: the target directory the pipeline
+uses, the config's engine.sglang settings, and the chain length k the benchmarks measured
+(bench.draft_tokens from the config, or the schema's default, before any benchmark ran).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from eyrie.core.errors import EyrieError
+from eyrie.core.schema import section_defaults
+from eyrie.report.values import distinct, warn
+from eyrie.target.serving import HOST, launch_command
+
+SERVE_PORT = 30000  # SGLang's default port, for the command shown on the page
+
+
+def serve_command(config: dict, drafter_dir: str, bench: dict, warnings: list) -> dict[str, Any]:
+    """{serve_command, serve_command_lines, serve_host, serve_port, serve_draft_tokens(_source)}; no command (and a warning) if none can be built."""
+    draft_tokens, source = _draft_tokens(config, bench, warnings)
+    figures = {
+        "serve_command": None,
+        "serve_command_lines": None,
+        "serve_host": HOST,
+        "serve_port": SERVE_PORT,
+        "serve_draft_tokens": draft_tokens,
+        "serve_draft_tokens_source": source,
+    }
+    try:
+        command = _launch_command(config, drafter_dir, draft_tokens)
+    except (EyrieError, OSError, ValueError) as err:
+        warn(warnings, "drafter", f"no SGLang command for this drafter: {err}")
+        return figures
+    return {**figures, "serve_command": shlex.join(command), "serve_command_lines": _continued_lines(command)}
+
+
+def _draft_tokens(config: dict, bench: dict, warnings: list) -> tuple[int, str]:
+    """The chain length k to serve with, and where it comes from: serve what was measured."""
+    measured = distinct(b.get("draft_tokens") for b in bench["rows"] if b["built"])
+    if measured:
+        if len(measured) > 1:
+            warn(warnings, "drafter", f"the benchmarks used different draft_tokens ({', '.join(map(str, measured))}); the command uses {measured[0]}")
+        return int(measured[0]), "the chain length k the benchmarks measured (bench.draft_tokens)"
+    configured = (config.get("bench") or {}).get("draft_tokens")
+    if configured:
+        return int(configured), "bench.draft_tokens from the config (no benchmark measured yet)"
+    return int(section_defaults("bench")["draft_tokens"]), "the default chain length (no benchmark measured yet)"
+
+
+def _launch_command(config: dict, drafter_dir: str, draft_tokens: int) -> list[str]:
+    sglang = ((config.get("engine") or {}).get("sglang")) or {}
+    speculative = {"algorithm": "EAGLE3", "draft_model_path": drafter_dir, "num_steps": draft_tokens, "eagle_topk": 1, "num_draft_tokens": draft_tokens + 1}
+    return launch_command(
+        _serving_model_path(config),
+        SERVE_PORT,
+        python="python",  # portable: run it with the interpreter that has sglang installed
+        tp_size=int(sglang.get("tp_size") or 1),
+        dtype=sglang.get("dtype"),
+        mem_fraction_static=sglang.get("mem_fraction_static"),
+        context_length=sglang.get("context_length"),
+        speculative=speculative,
+        extra_args=sglang.get("extra_args") or (),
+    )
+
+
+def _continued_lines(command: list[str]) -> str:
+    """The same command for reading: one option per line, joined by shell line continuations (still pastes as is)."""
+    groups: list[list[str]] = []
+    for arg in command:
+        if arg.startswith("--") or not groups:
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    return " \\\n    ".join(shlex.join(group) for group in groups)
+
+
+def _serving_model_path(config: dict) -> str:
+    """The target directory the pipeline uses (rules/common.smk model_dir), unless engine.sglang.model_path names another."""
+    model = config.get("model") or {}
+    sglang = ((config.get("engine") or {}).get("sglang")) or {}
+    return str(sglang.get("model_path") or model.get("path") or f"resources/models/{model.get('name') or 'unknown'}")
