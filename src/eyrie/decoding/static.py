@@ -27,14 +27,13 @@ from __future__ import annotations
 import functools
 import time
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
 from eyrie.drafter.model import Eagle3Drafter, rotate_half
 from eyrie.core.errors import EyrieError
 from eyrie.target.aux_layers import capture_indices
+from eyrie.decoding.graphs import Replay, cuda_graphs_usable
 from eyrie.decoding.common import DecodeResult, DraftSession, SpecResult, emit, finished, speculative_rounds
 
 # Architectures whose decoder layer is exactly Llama's: pre-norm attention (q/k/v/o, biases allowed)
@@ -44,7 +43,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CAPACITY_STEP = 64  # cache slots are rounded up to this: fewer recaptures, aligned attention masks
 SMALLEST_SPAN = 256  # attention spans are this times a power of two (or the whole cache)
-WARMUP_REPLAYS = 2  # eager runs on a side stream before capture, as torch.cuda.graphs requires
 
 
 class UnsupportedTargetError(EyrieError):
@@ -113,47 +111,6 @@ def span_for(slots: int, capacity: int) -> int:
 def needed_capacity(prompt_tokens: int, max_new_tokens: int, draft_tokens: int = 0) -> int:
     """Cache slots for one decode: the verify writes k + 1 slots past the current token, the drafter's padded extend and chain up to 2k past it."""
     return round_up(prompt_tokens + max_new_tokens + 2 * draft_tokens + 2)
-
-
-# --------------------------------------------------------------------------- CUDA graphs
-
-
-class Replay:
-    """fn() (on static buffers) as a CUDA graph when asked for, else plain calls: the CPU fallback.
-
-    A capture that fails (an op that syncs, a torch version that refuses something) falls back to
-    plain calls with a warning instead of failing the benchmark: slower, still correct, and the
-    reason goes to `failures` (the owning decoder's list), so its label stops saying "cudagraph".
-    """
-
-    def __init__(self, fn, use_graph: bool, failures: list[str]):
-        self.fn, self.graph = fn, None
-        if use_graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: kernel choice and allocations happen outside the capture
-                for _ in range(WARMUP_REPLAYS):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    fn()
-                self.graph = graph
-            except Exception as exc:  # noqa: BLE001 -- any capture error: run eagerly, say why
-                torch.cuda.synchronize()
-                failures.append(f"{type(exc).__name__}: {exc}"[:300])
-                warnings.warn(f"CUDA graph capture failed, running eagerly: {failures[-1]}")
-
-    def __call__(self) -> None:
-        if self.graph is None:
-            self.fn()
-        else:
-            self.graph.replay()
-
-
-def cuda_graphs_usable(device: torch.device) -> bool:
-    return device.type == "cuda" and hasattr(torch.cuda, "CUDAGraph")
 
 
 # --------------------------------------------------------------------------- target

@@ -1,0 +1,47 @@
+"""fn() on static buffers replayed as one CUDA graph, or called plainly: the CPU fallback and the capture-failure path."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+WARMUP_REPLAYS = 2  # eager runs on a side stream before capture, as torch.cuda.graphs requires
+
+
+class Replay:
+    """fn() (on static buffers) as a CUDA graph when asked for, else plain calls: the CPU fallback.
+
+    A capture that fails (an op that syncs, a torch version that refuses something) falls back to
+    plain calls with a warning instead of failing the benchmark: slower, still correct, and the
+    reason goes to `failures` (the owning decoder's list), so its label stops saying "cudagraph".
+    """
+
+    def __init__(self, fn, use_graph: bool, failures: list[str]):
+        self.fn, self.graph = fn, None
+        if use_graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: kernel choice and allocations happen outside the capture
+                for _ in range(WARMUP_REPLAYS):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    fn()
+                self.graph = graph
+            except Exception as exc:  # noqa: BLE001 -- any capture error: run eagerly, say why
+                torch.cuda.synchronize()
+                failures.append(f"{type(exc).__name__}: {exc}"[:300])
+                warnings.warn(f"CUDA graph capture failed, running eagerly: {failures[-1]}")
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            self.graph.replay()
+
+
+def cuda_graphs_usable(device: torch.device) -> bool:
+    return device.type == "cuda" and hasattr(torch.cuda, "CUDAGraph")
