@@ -26,8 +26,8 @@ import torch
 
 from eyrie import config as eyrie_config
 from eyrie.bench.benchmark import load_heldout_prompts, run_benchmark
-from eyrie.hidden.fp8 import FP8_NAME
 from eyrie.hidden.cache import convert_cache, read_manifest
+from eyrie.hidden.fp8 import FP8_NAME
 from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
 from eyrie.training.train import train_drafter
 

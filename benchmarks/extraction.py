@@ -4,7 +4,7 @@ Variants, each over the same synthetic token shard and measured side by side in 
   forward_all_hidden  the decoder forward with output_hidden_states=True (all 33 states kept): the compute floor
                       of the original approach, nothing leaves the device
   forward_last_only   the decoder forward returning only last_hidden_state: the compute floor of any approach
-  extract_bf16        eyrie.hidden.cache.extract_shard (hooks, device->host copies, file writes), bfloat16 cache
+  extract_bf16        eyrie.hidden.extract.extract_shard (hooks, device->host copies, file writes), bfloat16 cache
   extract_fp8         the same with hidden.dtype float8_e4m3fn
 each at several hidden.batch_tokens. Roofline tokens/s = measured bf16 matmul FLOP/s / (2 x P), P = the
 parameters of the decoder layers and the final norm (no embedding table, no LM head: extraction does a
@@ -30,9 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.hidden.extract import _base_model, _batch_inputs, _to_device, extract_shard, plan_token_batches
 from eyrie.target.aux_layers import default_aux_layer_ids
-from eyrie.hidden.cache import _base_model, _batch_inputs, _to_device, extract_shard, plan_token_batches
-from eyrie.data.tokenize import TOKENS_SCHEMA
 
 TEMPLATE = "0" * 64  # the synthetic shard's template fingerprint; extract_shard only checks that it matches
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -34,9 +34,9 @@ from eyrie.bench.benchmark import (
     load_models,
     stop_ids_of,
 )
-from eyrie.target.chat_template import render
 from eyrie.decoding.decode import greedy_decode, speculative_decode
 from eyrie.decoding.static import StaticLlama, needed_capacity
+from eyrie.target.chat_template import render
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 BUILT_IN_QUESTIONS = [

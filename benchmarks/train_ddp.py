@@ -2,7 +2,7 @@
 
 First N steps in this process on one device (each step's global batch of --rows rows), then the
 same N steps under `torchrun --nproc_per_node 2` (this script with --worker), each rank taking
-its rows of every step's batch exactly as train_drafter does (eyrie.training.train.rank_share +
+its rows of every step's batch exactly as train_drafter does (eyrie.training.distributed.rank_share +
 train_step + DistributedDataParallel). Prints the two loss curves side by side with their max
 abs difference and the scaling efficiency = 2-GPU tokens/s / (2 x 1-GPU tokens/s).
 
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import LLAMA_8B, SMALL, VARIANTS, build, random_batch, timed_step  # noqa: E402
 
-from eyrie.training.train import data_parallel, rank_share  # noqa: E402
+from eyrie.training.distributed import data_parallel, rank_share  # noqa: E402
 
 LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 

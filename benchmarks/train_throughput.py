@@ -1,6 +1,6 @@
 """Drafter training throughput and peak memory: the old path vs flex attention + chunked loss.
 
-Runs eyrie.training.train.train_step (the code train_drafter runs each step) on random features at the
+Runs eyrie.training.objective.train_step (the code train_drafter runs each step) on random features at the
 Llama-3.1-8B drafter shape (H 4096, 32/8 heads, head_dim 128, intermediate 14336, draft vocab
 32000, target vocab 128256), L=2048, batch 1, 7 TTT steps, bf16 autocast, side by side in one
 process:
@@ -35,7 +35,8 @@ import traceback
 import torch
 
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
-from eyrie.training.train import TTTObjective, make_optimizer, train_step
+from eyrie.training.objective import TTTObjective, train_step
+from eyrie.training.optimizer import make_optimizer
 
 SPECFORGE_TOKENS_PER_S = (16000.0, 19000.0)
 SPECFORGE_PEAK_GIB = 13.0

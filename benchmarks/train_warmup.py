@@ -4,7 +4,7 @@ In the H200 pipeline run the drafter trained at ~78K tok/s once warm, but its fi
 10K tok/s: flex attention compiles for new shapes (rows x padded length, 7 key-block counts) and
 builds a BlockMask per padded length. This benchmark trains the pipeline's drafter shape (SmolLM2-135M:
 H 576, draft vocab 14,294, 7 TTT steps) on random features in batches planned exactly as train_drafter
-plans them (eyrie.training.train.plan_batches over ShareGPT-like lengths, 16,384 tokens per batch, epoch order
+plans them (eyrie.core.batching.batches_by_tokens over ShareGPT-like lengths, 16,384 tokens per batch, epoch order
 shuffled), each variant in its own process with an empty inductor cache, i.e. a fresh job:
 
     default         torch.compile(flex_attention): the first shape compiles static, the first change dynamic
@@ -48,14 +48,14 @@ def sample_lengths(count: int, seed: int, longest: int) -> list[int]:
 
 def run_variant(name: str, args) -> dict:
     import eyrie.training.ttt_attention as ttt_attention
-    from eyrie.training.train import plan_batches
+    from eyrie.core.batching import batches_by_tokens
 
     ttt_attention.FLEX_DYNAMIC, ttt_attention.MIN_FLEX_BLOCKS = FLEX_SETTINGS[name]
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
     dims = SMALL if args.small else SMOLLM2
     objective, optimizer, head, draft_ids, t2d = build(dims, VARIANTS["flex+chunked"], device, 7, args.seed)
     lengths = sample_lengths(args.samples, args.seed, args.longest)
-    batches = plan_batches(lengths, args.batch_tokens)
+    batches = batches_by_tokens(lengths, args.batch_tokens)
     random.Random(args.seed).shuffle(batches)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     times, shapes = [], []

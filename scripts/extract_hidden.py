@@ -1,9 +1,9 @@
-# Snakemake entry point: token shard -> hidden-state cache (see eyrie.hidden.cache).
+# Snakemake entry point: token shard -> hidden-state cache (see eyrie.hidden.extract; the format is eyrie.hidden.cache).
 import torch
 
-from eyrie.target.aux_layers import default_aux_layer_ids
-from eyrie.hidden.cache import extract_shard
 from eyrie.core.joblog import job_log
+from eyrie.hidden.extract import extract_shard
+from eyrie.target.aux_layers import default_aux_layer_ids
 from eyrie.target.model import load_target, model_fingerprint, template_fingerprint
 
 with job_log(snakemake.log[0]):

@@ -1,9 +1,9 @@
-# Snakemake entry point: regenerate one prompt shard with the engine the config names (see eyrie.generation.regenerate).
+# Snakemake entry point: regenerate one prompt shard with the engine the config names (see eyrie.generation.regenerate; the format is eyrie.generation.conversations).
 from pathlib import Path
 
+from eyrie.core.joblog import job_log
 from eyrie.generation.engines import open_engine
 from eyrie.generation.regenerate import regenerate_shard
-from eyrie.core.joblog import job_log
 from eyrie.target.model import model_fingerprint, template_fingerprint
 
 dataset, shard = snakemake.wildcards.dataset, snakemake.wildcards.shard

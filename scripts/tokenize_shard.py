@@ -1,7 +1,7 @@
-# Snakemake entry point: completions shard -> tokens and loss mask (see eyrie.data.tokenize).
+# Snakemake entry point: completions shard -> tokens and loss mask (see eyrie.data.tokenize; the format is eyrie.data.tokens).
 from eyrie.core.joblog import job_log
-from eyrie.target.model import load_tokenizer, template_fingerprint
 from eyrie.data.tokenize import tokenize_shard
+from eyrie.target.model import load_tokenizer, template_fingerprint
 
 with job_log(snakemake.log[0]):
     tokenizer = load_tokenizer(snakemake.input.model, snakemake.params.trust_remote_code)

@@ -4,7 +4,8 @@ import torch
 
 from eyrie.core.joblog import job_log
 from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
-from eyrie.training.train import launch_data_parallel, train_drafter
+from eyrie.training.distributed import launch_data_parallel
+from eyrie.training.train import train_drafter
 
 with job_log(snakemake.log[0]):
     torch.set_num_threads(snakemake.threads)

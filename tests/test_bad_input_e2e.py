@@ -9,7 +9,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import snakemake
 
 pytestmark = pytest.mark.e2e

@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import yaml
+from conftest import REPO, TINY_CONFIG
 
 from eyrie import config as cfg
 from eyrie.core.errors import ConfigError
-
-from conftest import REPO, TINY_CONFIG
 
 
 def tiny() -> dict:

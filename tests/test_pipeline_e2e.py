@@ -13,7 +13,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
 from conftest import SNAKEMAKE, make_workdir, snakemake
 
 pytestmark = pytest.mark.e2e
@@ -165,8 +164,10 @@ def test_reordering_the_config_reruns_nothing(built):
 
 
 def test_whole_chain_produced_a_servable_drafter_and_measured_benchmarks(built):
-    from eyrie.drafter.model import DrafterShape, check_checkpoint
     from safetensors.torch import load_file
+
+    from eyrie.drafter.checkpoint import check_checkpoint
+    from eyrie.drafter.model import DrafterShape
 
     config = json.loads((built / "results/drafter/config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -182,10 +183,10 @@ def test_trained_drafter_beats_a_random_one_on_acceptance(built, model_dir):
     """On the target's own replies, a few training steps already make drafts that the target accepts."""
     import torch
 
+    from eyrie.decoding.transformers_path import speculative_decode
+    from eyrie.drafter.checkpoint import load_drafter
     from eyrie.target.chat_template import render
     from eyrie.target.model import load_target
-    from eyrie.decoding.transformers_path import speculative_decode
-    from eyrie.training.train import load_drafter
 
     torch.manual_seed(0)
     target, tokenizer = load_target(built / "resources/models/SmolLM2-135M-Instruct", dtype="float32", device="cpu")
@@ -229,7 +230,8 @@ def test_two_training_processes_through_the_snakefile(built):
     """train.processes: 2 reruns training (and what follows) as two torchrun ranks, and the drafter is servable."""
     from safetensors.torch import load_file
 
-    from eyrie.drafter.model import DrafterShape, check_checkpoint
+    from eyrie.drafter.checkpoint import check_checkpoint
+    from eyrie.drafter.model import DrafterShape
 
     config_path = built / "config.yaml"
     original = config_path.read_text()

@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eyrie import config as cfg
-from eyrie.generation.regenerate import settings_key
-from eyrie.target.model import model_fingerprint
+from eyrie.generation.conversations import settings_key
 from eyrie.generation.partial import PartialLog
 from eyrie.plan import build_plan, format_plan
+from eyrie.target.model import model_fingerprint
 
 
 def setup(tmp_path):

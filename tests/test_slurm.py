@@ -19,9 +19,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from packaging.requirements import Requirement
-
 from conftest import REPO, SNAKEMAKE, TINY_CONFIG, make_workdir, snakemake
+from packaging.requirements import Requirement
 
 GPU_RULES = ["regenerate_shard", "extract_hidden", "train_drafter", "benchmark_heldout", "benchmark_humaneval"]
 

@@ -18,7 +18,6 @@ from eyrie.core.errors import ConfigError
 from eyrie.core.schema import load_schema
 
 
-
 def _with_defaults(validator_class):
     """A validator that fills in `default` values for missing properties before checking them."""
     validate_properties = validator_class.VALIDATORS["properties"]

@@ -9,7 +9,6 @@ between shards, so a user sees how much to trust the number.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import pyarrow.parquet as pq
 
 from eyrie import config as cfg
 from eyrie.core.artifacts import parquet_metadata
-from eyrie.generation.regenerate import ERROR, PROMPT_TOO_LONG, settings_key
+from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.generation.partial import PartialLog
 
 Z90 = 1.645  # two-sided 90% normal quantile

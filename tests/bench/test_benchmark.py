@@ -10,13 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eyrie.core.errors import ContractError
 from eyrie.bench.benchmark import (
     DrafterNotEngagedError,
     load_benchmark_prompts,
     run_benchmark,
 )
-from eyrie.core.errors import BadRecordError
+from eyrie.core.errors import BadRecordError, ContractError
 
 PROMPTS = [
     {"id": "p-1", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
@@ -57,7 +56,7 @@ def save_drafter(drafter, out_dir, template_sha256: str, **eyrie):
     """A drafter directory as the train stage writes it: SGLang's config plus eyrie's block, safetensors."""
     from safetensors.torch import save_file
 
-    from eyrie.training.train import checkpoint_tensors
+    from eyrie.drafter.checkpoint import checkpoint_tensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config = drafter.shape.sglang_config(torch_dtype="float32")

@@ -12,16 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eyrie.data.tokenize import TOKENS_SCHEMA
 from eyrie.core.errors import ContractError
-from eyrie.data.vocab import (
-    VocabClippedWarning,
-    VocabError,
-    VocabSizeError,
-    build_draft_vocab,
-    check_vocab,
-    load_draft_vocab,
-)
+from eyrie.data.build_vocab import VocabClippedWarning, build_draft_vocab
+from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.data.vocab import VocabError, VocabSizeError, check_vocab, load_draft_vocab
 
 V = 20
 TEMPLATE = "t" * 64

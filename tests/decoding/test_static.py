@@ -5,11 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyrie.target.chat_template import render
-from eyrie.drafter.model import DrafterShape, Eagle3Drafter
-from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.decoding.decode import greedy_decode, speculative_decode
-from eyrie.decoding.transformers_path import Eagle3Chain
 from eyrie.decoding.static import (
     StaticLlama,
     UnsupportedTargetError,
@@ -17,6 +13,10 @@ from eyrie.decoding.static import (
     open_decoder,
     unsupported_reason,
 )
+from eyrie.decoding.transformers_path import Eagle3Chain
+from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.target.chat_template import render
 
 MAX_NEW = 20
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?"]

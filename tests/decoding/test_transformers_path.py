@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from eyrie.target.chat_template import render
+from eyrie.decoding.transformers_path import Eagle3Chain, greedy_decode, speculative_decode
 from eyrie.drafter.model import DraftCache, DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
-from eyrie.decoding.transformers_path import Eagle3Chain, greedy_decode, speculative_decode
+from eyrie.target.chat_template import render
 
 MAX_NEW = 24
 QUESTIONS = [

@@ -29,9 +29,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie.core.errors import ConfigError
-from eyrie.generation.regenerate import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, regenerate_shard, settings_key
+from eyrie.generation.conversations import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable
 from eyrie.generation.partial import PartialLog
+from eyrie.generation.regenerate import regenerate_shard
 
 SETTINGS = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
 

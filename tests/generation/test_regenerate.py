@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie.core.batching import batches_by_tokens
-from eyrie.generation.transformers_engine import TransformersEngine
-from eyrie.generation.regenerate import PROMPT_TOO_LONG, regenerate_shard, settings_key
+from eyrie.generation.conversations import PROMPT_TOO_LONG, settings_key
 from eyrie.generation.partial import PartialLog
+from eyrie.generation.regenerate import regenerate_shard
+from eyrie.generation.transformers_engine import TransformersEngine
 
 SETTINGS = {"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
 ENGINE = {"max_batch_tokens": 2048, "max_batch_size": 2}

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from generation.test_openai_engine import PROMPTS, STUB_SERVER, run_shard, write_prompts
 
 from eyrie.core.errors import ConfigError
 from eyrie.generation.sglang_server import managed_server, shared_server
 from eyrie.target.serving import command_from_config, launch_command
-from generation.test_openai_engine import PROMPTS, STUB_SERVER, run_shard, write_prompts
 
 SGLANG_VERSION = "0.5.23"
 

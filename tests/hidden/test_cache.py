@@ -11,17 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eyrie.target.aux_layers import AuxLayerError, capture_indices, default_aux_layer_ids
 from eyrie.core.errors import ContractError
-from eyrie.hidden.cache import (
-    HiddenCacheMismatchError,
-    check_manifest,
-    extract_shard,
-    load_hidden,
-    plan_token_batches,
-    read_manifest,
-)
-from eyrie.data.tokenize import TOKENS_SCHEMA
+from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.hidden.cache import HiddenCacheMismatchError, check_manifest, load_hidden, read_manifest
+from eyrie.hidden.extract import extract_shard, plan_token_batches
+from eyrie.target.aux_layers import AuxLayerError, capture_indices, default_aux_layer_ids
 
 AUX = [1, 14, 26]  # the SmolLM2 (30 layers) default: [1, N//2 - 1, N - 4]
 FINGERPRINT = "f" * 64
@@ -76,12 +70,12 @@ def test_writer_settles_its_own_size_for_any_length(tmp_path):
     """The manifest states the file's size, which depends on the manifest: the writer must settle for every length."""
     from safetensors.torch import load_file
 
-    from eyrie.hidden.cache import _SafetensorsWriter
+    from eyrie.hidden.cache import SafetensorsWriter
 
     for tokens in range(1, 400, 3):
         path = tmp_path / f"{tokens}.safetensors"
         manifest = {"tokens": tokens, "ids": ["x"] * (tokens % 7)}
-        writer = _SafetensorsWriter(path, [("a", "bfloat16", (tokens, 3)), ("b", "int8", (tokens,))], manifest)
+        writer = SafetensorsWriter(path, [("a", "bfloat16", (tokens, 3)), ("b", "int8", (tokens,))], manifest)
         values = torch.arange(tokens * 3, dtype=torch.bfloat16).reshape(tokens, 3)
         writer.write_rows("a", 1, values[1:])
         writer.write_rows("a", 0, values[:1])
@@ -372,7 +366,7 @@ def test_fp8_cache_halves_the_bytes_per_token(caches):
 
 def test_trainer_reads_fp8_and_bf16_caches_as_stored(caches):
     """HiddenCache.batch (what training reads) dequantizes fp8 and returns bf16 values unchanged."""
-    from eyrie.training.train import HiddenCache
+    from eyrie.training.inputs import HiddenCache
 
     for mode in ("fp8", "bf16"):
         tensors, manifest, path = caches[mode]
@@ -404,7 +398,8 @@ def test_convert_cache_to_fp8_matches_extraction(caches, tmp_path):
 
 
 def test_a_failed_background_write_is_raised(tmp_path):
-    from eyrie.hidden.cache import HiddenCacheError, _BackgroundRows
+    from eyrie.hidden.cache import HiddenCacheError
+    from eyrie.hidden.extract import _BackgroundRows
 
     class FailingWriter:
         path = tmp_path / "x.safetensors"

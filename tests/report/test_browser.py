@@ -15,9 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from report.test_build import _back_half, _inputs
 
 from eyrie.report.build import write_report
-from report.test_build import _back_half, _inputs
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").is_file() else None)
 FLAGS = (

@@ -10,9 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.generation.regenerate import COMPLETIONS_SCHEMA
-from eyrie.data.tokenize import TOKENS_SCHEMA
-
+from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.generation.conversations import COMPLETIONS_SCHEMA
 from eyrie.report.build import collect, write_report
 
 SHA_A = "a" * 64
@@ -476,8 +475,8 @@ def test_back_half_paths_that_do_not_exist_are_not_built(tmp_path):
 
 
 def test_foreign_and_broken_artifacts_are_warnings_that_name_the_file(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     config, summaries, completions, tokens = _inputs(tmp_path)
     kwargs = _back_half(tmp_path)

@@ -9,20 +9,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyrie.drafter.model import CheckpointError, DraftCache, DrafterShape, Eagle3Drafter, check_checkpoint
 from eyrie.core.errors import EyrieError
-from eyrie.training.train import (
-    TrainingInputError,
-    load_drafter,
-    load_target_head,
-    needed_targets,
-    step_targets,
-    target_distribution,
-    target_text_config,
-    train_drafter,
-    ttt_forward,
-    ttt_loss,
-)
+from eyrie.drafter.checkpoint import CheckpointError, check_checkpoint, load_drafter
+from eyrie.drafter.model import DraftCache, DrafterShape, Eagle3Drafter
+from eyrie.target.head import load_target_head, target_text_config
+from eyrie.training.errors import TrainingInputError
+from eyrie.training.objective import needed_targets, step_targets, target_distribution, ttt_forward, ttt_loss
+from eyrie.training.train import train_drafter
 
 TEMPLATE = "a" * 64
 FINGERPRINT = "f" * 64
@@ -538,7 +531,7 @@ def test_cuda_lengths_pad_to_whole_flex_tiles_and_never_to_one():
 def test_flex_ttt_attention_matches_eager_outputs_and_gradients(monkeypatch, pad_to):
     """Flex attention (unfused on CPU) over [k_0 | ... | k_j] == DraftAttention.attend, padded rows included."""
     import eyrie.training.ttt_attention as ttt_attention
-    from eyrie.training.train import ttt_hidden
+    from eyrie.training.objective import ttt_hidden
 
     monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: pad_to * -(-length // pad_to))
     aux, ids, lengths = _attention_inputs()
@@ -587,7 +580,7 @@ def test_unfused_flex_attention_equals_the_dense_mask_path():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention needs CUDA")
 def test_compiled_flex_matches_eager_on_cuda():
-    from eyrie.training.train import ttt_hidden
+    from eyrie.training.objective import ttt_hidden
 
     _, ids, lengths = _attention_inputs()
     aux = torch.randn(2, 13, 192)  # H 64: compiled flex needs head_dim >= 16
@@ -607,7 +600,7 @@ def test_compiled_flex_matches_eager_on_cuda():
 
 
 def test_flex_selected_positions_equal_eager():
-    from eyrie.training.train import ttt_hidden
+    from eyrie.training.objective import ttt_hidden
 
     aux, ids, lengths = _attention_inputs()
     model = tiny_model(Vd=40)
@@ -668,7 +661,7 @@ def test_chunked_soft_cross_entropy_of_no_rows_gives_zero_gradients():
 
 def test_objective_with_chunked_loss_equals_the_reference_loss():
     """TTTObjective (flex + chunked) gives the loss and gradients of ttt_forward + ttt_loss (eager, unchunked)."""
-    from eyrie.training.train import TTTObjective
+    from eyrie.training.objective import TTTObjective
 
     aux, ids, lengths = _attention_inputs()
     probs = torch.softmax(torch.randn(2 * 13, 40), -1)
@@ -749,7 +742,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
 def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
     """train_step selects trained positions by flat index (no host sync per use); the rows are the bool masks' rows."""
     import eyrie.training.ttt_attention as ttt_attention
-    from eyrie.training.train import pick_positions, positions_of, ttt_hidden
+    from eyrie.training.objective import pick_positions, positions_of, ttt_hidden
 
     g = torch.Generator().manual_seed(7)
     masks = [torch.rand(2, 13, generator=g) > 0.5 for _ in range(3)]
@@ -776,7 +769,8 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
 
 def _train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5):
     """One train_step on a tiny drafter: (result, gradients, the objective's CompiledLayers)."""
-    from eyrie.training.train import TTTObjective, make_optimizer, train_step
+    from eyrie.training.objective import TTTObjective, train_step
+    from eyrie.training.optimizer import make_optimizer
 
     model = tiny_model(Vd=40).train()
     g = torch.Generator().manual_seed(seed)

@@ -221,9 +221,9 @@ def not_engaged_message(mean: float | None, threshold: float, rounds: int, out_p
 
 def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, template_sha256_expected: str | None, trust_remote_code: bool):
     """(target, tokenizer, drafter, drafter label, template sha256): a mismatched template is refused before the drafter loads."""
+    from eyrie.drafter.checkpoint import load_drafter
     from eyrie.drafter.model import Eagle3Drafter
     from eyrie.target.model import load_target
-    from eyrie.training.train import load_drafter
 
     model, tokenizer = load_target(target_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     in_memory = isinstance(drafter_dir_or_model, Eagle3Drafter)

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from eyrie.core.atomic import write_atomically, write_json_atomically
+from eyrie.core.atomic import write_json_atomically, write_parquet_atomically
 from eyrie.core.errors import InputFileError
-from eyrie.data.sources import BadRecord, RawRecord, read_source  # noqa: F401  (read_source re-exported for callers)
+from eyrie.data.sources import BadRecord, RawRecord, read_source
 
 FORMATS = ("auto", "sharegpt", "openai")
 BAD_RECORD_POLICIES = ("error", "skip")
@@ -256,7 +255,7 @@ def _write_prompts(path: str | Path, dataset: str, prompts: list[Prompt]) -> Non
     ordered = sorted(prompts, key=lambda prompt: prompt.id)  # sorted by id: the same records give the same file
     rows = [{"id": p.id, "dataset": dataset, "messages": p.messages, "n_user_turns": p.n_user_turns} for p in ordered]
     table = pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
-    write_atomically(path, lambda temporary: pq.write_table(table, temporary))
+    write_parquet_atomically(table, path)
 
 
 def _check_arguments(fmt: str, limit: int | None, n_shards: int, heldout_fraction: float,

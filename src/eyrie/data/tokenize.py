@@ -1,4 +1,7 @@
-"""Turn a completions shard into training tokens: input_ids and an assistant-only loss mask."""
+"""The tokenize job: turn a completions shard into a token shard (input_ids and an assistant-only loss mask).
+
+The token shard's schema and reader belong to eyrie.data.tokens.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +10,11 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie.core.artifacts import read_parquet_metadata
+from eyrie.core.artifacts import PARQUET_KEY, read_parquet_metadata
 from eyrie.core.atomic import write_parquet_atomically
-from eyrie.target.chat_template import tokenize_conversation
 from eyrie.core.errors import ContractError
-
-TOKENS_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("dataset", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("n_tokens", pa.int32()),
-        ("n_assistant_tokens", pa.int32()),
-        ("truncated", pa.bool_()),
-    ]
-)
+from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.target.chat_template import tokenize_conversation
 
 
 def answered_messages(messages: list[dict]) -> list[dict]:
@@ -75,6 +67,6 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
         "max_seq_len": max_seq_len,
         "stats": stats,
     }
-    table = pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(metadata).encode()})
+    table = pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA).replace_schema_metadata({PARQUET_KEY: json.dumps(metadata).encode()})
     write_parquet_atomically(table, out_path)
     return stats

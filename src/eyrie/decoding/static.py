@@ -30,11 +30,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eyrie.drafter.model import Eagle3Drafter, rotate_half
 from eyrie.core.errors import EyrieError
-from eyrie.target.aux_layers import capture_indices
-from eyrie.decoding.graphs import Replay, cuda_graphs_usable
 from eyrie.decoding.common import DecodeResult, DraftSession, SpecResult, emit, finished, speculative_rounds
+from eyrie.decoding.graphs import Replay, cuda_graphs_usable
+from eyrie.drafter.model import Eagle3Drafter, rotate_half
+from eyrie.target.aux_layers import capture_indices
 
 # Architectures whose decoder layer is exactly Llama's: pre-norm attention (q/k/v/o, biases allowed)
 # and a gated MLP, one rotary table, full attention everywhere.

@@ -19,9 +19,9 @@ import time
 import torch
 from transformers import DynamicCache
 
+from eyrie.decoding.common import DecodeResult, DraftSession, SpecResult, finished, speculative_rounds
 from eyrie.drafter.model import DraftCache, Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices
-from eyrie.decoding.common import DecodeResult, DraftSession, SpecResult, finished, speculative_rounds
 
 
 class Eagle3Chain:

@@ -9,23 +9,20 @@ previous output) and the embedding of token t+1, and predicts token t+2:
     out  = r + mlp(post_attention_layernorm(r))            # fed back as g of the next step
     logits = lm_head(norm(out))             # over the draft vocabulary
 
-The target's embeddings are frozen and never saved: SGLang shares the target's own.
+The target's embeddings are frozen and never saved: SGLang shares the target's own. The checkpoint
+(what is written, checked and loaded) is eyrie.drafter.checkpoint's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyrie.core.errors import EyrieError
-
-
-class CheckpointError(EyrieError):
-    pass
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang loads with --speculative-algorithm EAGLE3; load_drafter refuses any other
 
 
 @dataclass
@@ -76,7 +73,7 @@ class DrafterShape:
     def sglang_config(self, torch_dtype: str = "bfloat16") -> dict:
         """config.json for `--speculative-algorithm EAGLE3 --speculative-draft-model-path <dir>`."""
         config = {
-            "architectures": ["LlamaForCausalLMEagle3"],
+            "architectures": [ARCHITECTURE],
             "model_type": "llama",
             "num_hidden_layers": 1,
             "hidden_size": self.hidden_size,
@@ -138,27 +135,6 @@ class DrafterShape:
             "d2t": ((self.draft_vocab_size,), torch.int64),
             "t2d": ((self.vocab_size,), torch.bool),
         }
-
-
-def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape) -> None:
-    """Every key SGLang expects, nothing else, each of the right shape: SGLang skips unknown names silently."""
-    expected = shape.expected_tensors()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    problems = [f"missing {name}" for name in missing] + [f"unexpected {name}" for name in unexpected]
-    for name, (dims, dtype) in expected.items():
-        if name in tensors:
-            if tuple(tensors[name].shape) != dims:
-                problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {dims}")
-            if dtype is not None and tensors[name].dtype != dtype:
-                problems.append(f"{name} has dtype {tensors[name].dtype}, expected {dtype}")
-    if "fc.weight" in tensors and tensors["fc.weight"].shape[-1] != 3 * shape.target_hidden_size:
-        problems.append(
-            f"fc takes {tensors['fc.weight'].shape[-1]} inputs, but EAGLE-3 needs 3 x target hidden = {3 * shape.target_hidden_size} "
-            "(three concatenated aux states, not the final state)"
-        )
-    if problems:
-        raise CheckpointError("drafter checkpoint does not match SGLang's EAGLE-3 layout: " + "; ".join(problems))
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -379,7 +355,3 @@ class DraftCache:
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
-
-
-def shape_dict(shape: DrafterShape) -> dict:
-    return asdict(shape)

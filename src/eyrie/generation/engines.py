@@ -23,8 +23,8 @@ def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threa
         yield engine, engine.tokenizer
         return
 
-    from eyrie.target.model import load_tokenizer
     from eyrie.generation.openai_engine import OpenAIEngine
+    from eyrie.target.model import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir, model_settings["trust_remote_code"])
     server = nullcontext(None)

@@ -34,7 +34,7 @@ import httpx2 as httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from eyrie.core.errors import ConfigError, EyrieError
-from eyrie.generation.regenerate import ERROR, PROMPT_TOO_LONG, Conversation, make_row, stable_seed
+from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, Conversation, make_row, stable_seed
 
 RETRY_STATUS = {408, 429}  # and every 5xx
 FATAL_STATUS = {401, 403, 404, 405}  # the configuration is wrong, not the prompt: stop, write no row

@@ -1,4 +1,4 @@
-"""Regenerate one prompt shard with the target, turn by turn, resumable at any moment.
+"""The regenerate job: answer one prompt shard with the target, turn by turn, resumable at any moment.
 
 Multi-turn conversations are answered on the target's own earlier replies. Each finished
 turn goes to a PartialLog as soon as its batch (in-process engine) or its request (server
@@ -11,89 +11,38 @@ Engines come in two shapes:
 - conversation engines (`OpenAIEngine`): `regenerate(conversations, settings, log, progress)`,
   which answer every pending turn themselves (concurrently) with the same semantics: turn t+1
   is sent only after turn t finished, on the model's own reply, and each row goes to `log`.
+
+The completions schema, the partial-log row and each request's identity (settings key, seed)
+belong to eyrie.generation.conversations.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from eyrie.core.artifacts import PARQUET_KEY
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.batching import batches_by_tokens
+from eyrie.generation.conversations import (
+    COMPLETIONS_SCHEMA,
+    ERROR,
+    PROMPT_TOO_LONG,
+    Conversation,
+    load_conversations,
+    make_row,
+    settings_key,
+    stable_seed,
+    to_record,
+)
 from eyrie.generation.partial import PartialLog
 
-MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-COMPLETIONS_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("dataset", pa.string()),
-        ("messages", MESSAGES_TYPE),
-        ("n_turns", pa.int32()),
-        ("finish_reason", pa.string()),
-        ("finish_reasons", pa.list_(pa.string())),
-        ("prompt_tokens", pa.list_(pa.int32())),
-        ("completion_tokens", pa.list_(pa.int32())),
-        ("seconds", pa.float64()),
-        ("generation", pa.string()),  # the settings that made this record, as JSON
-    ]
-)
-PROMPT_TOO_LONG = "prompt_too_long"
-# A request the server rejected for good (e.g. a prompt over its context): counted, kept as a
-# row, and it ends its conversation. Unlike prompt_too_long it is asked again on a rerun (a
-# rejection costs nothing, and one caused by a misconfigured server must not stick).
-ERROR = "error"
-ENDS_CONVERSATION = (PROMPT_TOO_LONG, ERROR)
 MAX_ERROR_EXAMPLES = 20
-
-
-def settings_key(settings: dict, model_fingerprint: str) -> str:
-    """Names the partial log: turns made under other settings or another model are never reused."""
-    payload = json.dumps({"settings": settings, "model": model_fingerprint}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-@dataclass
-class Conversation:
-    """One prompt's progress: its user turns and the turns already answered."""
-
-    id: str
-    system: list[dict]
-    users: list[str]
-    answered: list[dict] = field(default_factory=list)  # partial-log rows, in turn order
-
-    @property
-    def ended(self) -> bool:
-        return len(self.answered) == len(self.users) or (
-            bool(self.answered) and self.answered[-1]["finish_reason"] in ENDS_CONVERSATION
-        )
-
-    def messages(self, upto_turn: int | None = None) -> list[dict]:
-        """system + alternating user/assistant turns; with upto_turn, ends with that turn's user message."""
-        messages = list(self.system)
-        for row in self.answered:
-            if row["finish_reason"] in ENDS_CONVERSATION:
-                break
-            messages += [{"role": "user", "content": row["user"]}, {"role": "assistant", "content": row["reply"]}]
-        if upto_turn is not None:
-            messages.append({"role": "user", "content": self.users[upto_turn]})
-        return messages
-
-
-def load_conversations(prompts_path: str, max_turns: int) -> list[Conversation]:
-    conversations = []
-    for record in pq.read_table(prompts_path).to_pylist():
-        system = [m for m in record["messages"] if m["role"] == "system"][:1]
-        users = [m["content"] for m in record["messages"] if m["role"] == "user"][:max_turns]
-        conversations.append(Conversation(record["id"], system, users))
-    return conversations
 
 
 def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict]) -> int:
@@ -112,26 +61,6 @@ def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict])
             if row["finish_reason"] == PROMPT_TOO_LONG:
                 break
     return reused
-
-
-def to_record(conversation: Conversation, dataset: str, settings: dict) -> dict:
-    rows = conversation.answered
-    messages = conversation.messages()
-    if not any(m["role"] == "assistant" for m in messages):
-        # Nothing answered (first prompt too long): keep the question so the record explains itself.
-        messages = conversation.system + [{"role": "user", "content": conversation.users[0]}]
-    return {
-        "id": conversation.id,
-        "dataset": dataset,
-        "messages": messages,
-        "n_turns": sum(r["finish_reason"] not in ENDS_CONVERSATION for r in rows),
-        "finish_reason": rows[-1]["finish_reason"],
-        "finish_reasons": [r["finish_reason"] for r in rows],
-        "prompt_tokens": [r["prompt_tokens"] for r in rows],
-        "completion_tokens": [r["completion_tokens"] for r in rows],
-        "seconds": sum(r["seconds"] for r in rows),
-        "generation": json.dumps(settings, sort_keys=True),
-    }
 
 
 def shard_stats(records: list[dict], reused_turns: int, conversations: list[Conversation] | None = None, run: dict | None = None) -> dict:
@@ -174,11 +103,6 @@ def _summary(values: list[float]) -> dict | None:
     return {"n": len(values), "mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "max": values[-1]}
 
 
-def stable_seed(*parts) -> int:
-    """A request's sampling seed from its identity (settings seed, conversation id, turn): a rerun draws the same."""
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
-
-
 def regenerate_shard(
     *,
     prompts_path: str,
@@ -217,7 +141,7 @@ def regenerate_shard(
         "stats": stats,
     }
     table = pa.Table.from_pylist(records, schema=COMPLETIONS_SCHEMA)
-    table = table.replace_schema_metadata({b"eyrie": json.dumps(metadata).encode()})
+    table = table.replace_schema_metadata({PARQUET_KEY: json.dumps(metadata).encode()})
     write_parquet_atomically(table, out_path)
     if stats["errors"]:
         print(
@@ -314,21 +238,6 @@ def _regenerate_in_batches(conversations, settings, engine_settings, engine, log
         "wall_seconds": time.perf_counter() - wall_started,
         "busy_seconds": busy_seconds,
         "max_batch_size": engine_settings["max_batch_size"],
-    }
-
-
-def make_row(conversation: Conversation, turn: int, finish_reason: str, reply: str, prompt_tokens: int, completion_tokens: int, seconds: float, **extra) -> dict:
-    """One partial-log row: a finished turn, keyed by (id, turn). `extra` holds latency, error, ..."""
-    return {
-        "id": conversation.id,
-        "turn": turn,
-        "user": conversation.users[turn],
-        "reply": reply,
-        "finish_reason": finish_reason,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "seconds": seconds,
-        **extra,
     }
 
 

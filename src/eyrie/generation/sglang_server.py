@@ -26,8 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from eyrie.core.atomic import write_text_atomically
 from eyrie.core.errors import EyrieError
 from eyrie.target.serving import HOST
+
 
 class ServerStartError(EyrieError):
     pass
@@ -196,7 +198,7 @@ def shared_server(command_for_port, log_path: str | Path, state_dir: str | Path,
                     port = free_port()
                     process = start(command_for_port(port), log_path, detached=True, env=env)
                     info = {"pid": process.pid, "url": f"http://{HOST}:{port}", "log": str(log_path)}
-                    state.write_text(json.dumps(info))
+                    write_text_atomically(state, json.dumps(info))
                     print(f"sglang: started shared server pid {process.pid} on {info['url']}, log {log_path}", file=sys.stderr)
                     try:
                         wait_healthy(info["url"], process, startup_timeout_s, log_path)

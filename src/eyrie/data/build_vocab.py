@@ -1,0 +1,100 @@
+"""The build_vocab job: count assistant tokens over the token shards and keep the most frequent as the draft vocabulary.
+
+How the chosen ids are stored (d2t offsets, t2d mask) and checked belongs to eyrie.data.vocab.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from eyrie.core.errors import ContractError
+from eyrie.data.tokens import read_tokens, shard_template
+from eyrie.data.vocab import VocabError, VocabSizeError, write_draft_vocab
+
+
+class VocabClippedWarning(UserWarning):
+    """Fewer distinct assistant tokens were seen than the requested draft vocabulary size."""
+
+
+def count_assistant_tokens(token_shards: list[str], target_vocab_size: int) -> np.ndarray:
+    """int64 [target_vocab_size]: how often each id appears where loss_mask is 1, over all shards."""
+    counts = np.zeros(target_vocab_size, dtype=np.int64)
+    for path in token_shards:
+        _, ids, mask, _ = read_tokens(path, VocabError, with_ids=False)
+        mask = mask.astype(bool)
+        ids = ids[mask].astype(np.int64)
+        if ids.size == 0:
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= target_vocab_size:
+            raise VocabError(
+                f"{path}: token id {hi if hi >= target_vocab_size else lo} is outside the target vocabulary "
+                f"[0, {target_vocab_size}); the shard was tokenized for another model"
+            )
+        counts += np.bincount(ids, minlength=target_vocab_size)
+    return counts
+
+
+def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
+    """The draft_vocab_size most frequent seen ids (ties to the lower id), ascending."""
+    seen = np.flatnonzero(counts)
+    # lexsort sorts by the last key first: descending count, then ascending id.
+    order = seen[np.lexsort((seen, -counts[seen]))]
+    return np.sort(order[:draft_vocab_size]).astype(np.int64)
+
+
+def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_vocab_size: int, out_path: str) -> dict:
+    """Count assistant tokens, keep the most frequent, write d2t/t2d/counts/draft_ids; returns the manifest."""
+    if not token_shards:
+        raise VocabError("no token shards given: the draft vocabulary needs at least one")
+    if draft_vocab_size < 1:
+        raise VocabSizeError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
+    if draft_vocab_size > target_vocab_size:
+        raise VocabSizeError(
+            f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary ({target_vocab_size}); "
+            f"set it to at most {target_vocab_size}"
+        )
+
+    templates = {str(p): shard_template(str(p)) for p in token_shards}
+    distinct = sorted(set(templates.values()), key=str)
+    if len(distinct) != 1 or distinct[0] is None:
+        groups = {t: [p for p, tp in templates.items() if tp == t] for t in distinct}
+        detail = "; ".join(f"{(t or 'none')[:12]}: {', '.join(ps)}" for t, ps in groups.items())
+        raise ContractError(
+            f"the token shards do not share one chat template fingerprint ({detail}); "
+            "re-tokenize them all with the same target"
+        )
+    template_sha256 = distinct[0]
+
+    counts = count_assistant_tokens([str(p) for p in token_shards], target_vocab_size)
+    total = int(counts.sum())
+    seen = int(np.count_nonzero(counts))
+    if total == 0:
+        raise VocabError(f"no assistant tokens in {len(token_shards)} shard(s): nothing to build a draft vocabulary from")
+    effective = draft_vocab_size
+    clipped = seen < draft_vocab_size
+    if clipped:
+        effective = seen
+        warnings.warn(
+            f"only {seen} distinct assistant tokens were seen, fewer than draft_vocab_size {draft_vocab_size}; "
+            f"the draft vocabulary is clipped to {seen} (add data or lower draft_vocab_size)",
+            VocabClippedWarning,
+            stacklevel=2,
+        )
+
+    kept = select_draft_ids(counts, effective)
+    manifest = {
+        "draft_vocab_size": int(effective),
+        "requested_draft_vocab_size": int(draft_vocab_size),
+        "target_vocab_size": int(target_vocab_size),
+        "assistant_tokens": total,
+        "distinct_assistant_tokens": seen,
+        "coverage": float(counts[kept].sum() / total),
+        "template_sha256": template_sha256,
+        "clipped": bool(clipped),
+        "shards": len(token_shards),
+    }
+    write_draft_vocab(out_path, kept, counts, manifest)
+    return manifest

@@ -1,0 +1,63 @@
+"""The token shard FORMAT: its schema, and the one reader of its token columns.
+
+A token shard (``results/tokens/<dataset>/<shard>.parquet``, written by the tokenize job,
+eyrie.data.tokenize) holds one row per conversation: ``input_ids`` and an assistant-only
+``loss_mask`` of the same length, with the chat template's fingerprint in its ``eyrie`` metadata.
+Extraction and the draft vocabulary read it through ``read_tokens`` and ``shard_template``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eyrie.core.artifacts import read_parquet_metadata
+
+TOKENS_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("dataset", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("n_tokens", pa.int32()),
+        ("n_assistant_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+    ]
+)
+
+
+class TokenColumns(NamedTuple):
+    """A shard's samples back to back: sample k is input_ids[offsets[k] : offsets[k + 1]]."""
+
+    ids: list[str] | None  # sample ids in shard order; None unless asked for
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # int8 [T], 1 on assistant tokens
+    offsets: np.ndarray  # int64 [samples + 1]
+
+
+def shard_template(path: str | Path) -> str | None:
+    """The chat template fingerprint the shard was tokenized with (None when it records none)."""
+    return read_parquet_metadata(path).get("template_sha256")
+
+
+def read_tokens(path: str | Path, error: type[Exception], with_ids: bool = True) -> TokenColumns:
+    """input_ids, loss_mask and offsets of every sample; raises `error` (the caller's stage error) when a row's
+    input_ids and loss_mask differ in length."""
+    table = pq.read_table(str(path), columns=(["id"] if with_ids else []) + ["input_ids", "loss_mask"])
+    ids_col = table.column("input_ids").combine_chunks()
+    mask_col = table.column("loss_mask").combine_chunks()
+    lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    mask_lengths = pc.list_value_length(mask_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not np.array_equal(lengths, mask_lengths):
+        row = int(np.flatnonzero(lengths != mask_lengths)[0])
+        raise error(f"{path}: row {row}: input_ids and loss_mask differ in length; re-run the tokenize stage")
+    input_ids = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+    loss_mask = mask_col.flatten().to_numpy(zero_copy_only=False).astype(np.int8)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenColumns(table.column("id").to_pylist() if with_ids else None, input_ids, loss_mask, offsets)

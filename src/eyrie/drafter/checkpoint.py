@@ -1,0 +1,92 @@
+"""The drafter artifact: the directory SGLang loads with --speculative-draft-model-path.
+
+config.json (DrafterShape.sglang_config plus eyrie's block), model.safetensors (exactly the tensors
+SGLang loads: no embeddings, d2t as offsets, t2d as a mask) and training_log.json. Every key and
+shape is checked before writing and after reading: SGLang skips unknown names silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eyrie.core.atomic import write_directory_atomically, write_json_atomically, write_safetensors_atomically
+from eyrie.core.errors import EyrieError
+from eyrie.drafter.model import ARCHITECTURE, DrafterShape, Eagle3Drafter
+
+
+class CheckpointError(EyrieError):
+    """A drafter directory or its tensors are not what SGLang loads as an EAGLE-3 drafter."""
+
+
+def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape) -> None:
+    """Every key SGLang expects, nothing else, each of the right shape: SGLang skips unknown names silently."""
+    expected = shape.expected_tensors()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    problems = [f"missing {name}" for name in missing] + [f"unexpected {name}" for name in unexpected]
+    for name, (dims, dtype) in expected.items():
+        if name in tensors:
+            if tuple(tensors[name].shape) != dims:
+                problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {dims}")
+            if dtype is not None and tensors[name].dtype != dtype:
+                problems.append(f"{name} has dtype {tensors[name].dtype}, expected {dtype}")
+    if "fc.weight" in tensors and tensors["fc.weight"].shape[-1] != 3 * shape.target_hidden_size:
+        problems.append(
+            f"fc takes {tensors['fc.weight'].shape[-1]} inputs, but EAGLE-3 needs 3 x target hidden = {3 * shape.target_hidden_size} "
+            "(three concatenated aux states, not the final state)"
+        )
+    if problems:
+        raise CheckpointError("drafter checkpoint does not match SGLang's EAGLE-3 layout: " + "; ".join(problems))
+
+
+def checkpoint_tensors(model: Eagle3Drafter, weight_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Exactly SGLang's tensors (no embeddings), checked before anything is written."""
+    expected = model.shape.expected_tensors()
+    state = model.state_dict()
+    stray = [n for n, p in model.named_parameters() if p.requires_grad and n not in expected]
+    if stray:
+        raise CheckpointError(f"the drafter has trainable tensors SGLang would not load: {stray}")
+    tensors = {name: state[name].detach().cpu().to(dtype or weight_dtype).contiguous() for name, (_, dtype) in expected.items()}
+    check_checkpoint(tensors, model.shape)
+    return tensors
+
+
+def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], training_log: list[dict]) -> None:
+    """The drafter directory, swapped in whole: readers see the old checkpoint or the new one, never a mix."""
+
+    def write(directory: Path) -> None:
+        write_json_atomically(directory / "config.json", config, indent=2)
+        write_safetensors_atomically(tensors, directory / "model.safetensors", {"format": "pt"})
+        write_json_atomically(directory / "training_log.json", training_log, indent=1)
+
+    write_directory_atomically(out_dir, write)
+
+
+def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor) -> Eagle3Drafter:
+    """A trained drafter (config.json + model.safetensors, safetensors only), checked, in eval mode."""
+    from safetensors.torch import load_file
+
+    drafter_dir = Path(drafter_dir)
+    config_path, weights_path = drafter_dir / "config.json", drafter_dir / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise CheckpointError(f"{drafter_dir}: not a drafter directory (needs config.json and model.safetensors)")
+    config = json.loads(config_path.read_text())
+    if config.get("architectures") != [ARCHITECTURE]:
+        raise CheckpointError(f"{config_path}: architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+    shape = DrafterShape.from_sglang_config(config)
+    tensors = load_file(str(weights_path))
+    try:
+        check_checkpoint(tensors, shape)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{weights_path}: {exc}") from None
+    if tuple(target_embeddings.shape) != (shape.vocab_size, shape.hidden_size):
+        raise CheckpointError(
+            f"{drafter_dir}: target embeddings have shape {tuple(target_embeddings.shape)}, "
+            f"the drafter was trained for ({shape.vocab_size}, {shape.hidden_size}); use the drafter's own target"
+        )
+    model = Eagle3Drafter(shape, target_embeddings.float(), tensors["d2t"], tensors["t2d"])
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True)
+    return model.eval()

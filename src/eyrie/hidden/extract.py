@@ -1,0 +1,299 @@
+"""The extract job: run the target over a token shard and store its hidden states as one cache file.
+
+Samples run in length-sorted, token-budgeted batches (right-padded, no attention mask); forward
+hooks keep only the three capture layers' outputs; only real tokens leave the device, and a
+background thread writes each batch's rows straight to their place in the file while the next
+batch runs. The file's layout, its manifest and its readers belong to eyrie.hidden.cache.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eyrie.core.atomic import write_atomically
+from eyrie.core.batching import batches_by_tokens
+from eyrie.core.errors import ContractError
+from eyrie.data.tokens import read_tokens, shard_template
+from eyrie.hidden.cache import (
+    FORMAT,
+    FP8_SCALES_NOTE,
+    HiddenCacheError,
+    SafetensorsWriter,
+    encode_rows,
+    is_fp8,
+    storage_dtype,
+    storage_specs,
+)
+from eyrie.target.aux_layers import capture_indices
+
+
+def plan_token_batches(lengths, batch_tokens: int) -> list[list[int]]:
+    """Sample indices grouped so that each batch's padded size (rows x longest) stays within batch_tokens.
+
+    Longest first, so an out-of-memory shows up on the first batch. A sample longer than
+    batch_tokens goes alone. Empty samples are left out (they have nothing to compute).
+    """
+    if batch_tokens < 1:
+        raise HiddenCacheError(f"batch_tokens must be positive, got {batch_tokens}")
+    lengths = [int(n) for n in lengths]
+    nonempty = [k for k, n in enumerate(lengths) if n > 0]
+    return [[nonempty[i] for i in batch] for batch in batches_by_tokens([lengths[k] for k in nonempty], batch_tokens)]
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _base_model(model):
+    """The decoder stack without the LM head (no full-vocabulary logits are ever computed)."""
+    base = getattr(model, "model", None)
+    if base is None:
+        base = model.base_model
+    return base
+
+
+class _BackgroundRows:
+    """Writes each batch's packed rows to the file on a thread, so the device->host copy and the file
+    writes of one batch overlap the next batch's forward.
+
+    At most `depth` batches wait in the queue (put blocks beyond that), which bounds host memory. A
+    failed write is kept, the remaining batches are dropped unwritten, and put/close re-raise it.
+    """
+
+    def __init__(self, writer: SafetensorsWriter, depth: int = 2):
+        self.writer, self.error = writer, None
+        self.queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="eyrie-hidden-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, ready, tensors: dict, placements: list[tuple[int, int, int]]) -> None:
+        """tensors: name -> host rows of one batch; placements: (file row, batch row, count); ready: CUDA event or None."""
+        self._raise()
+        self.queue.put((ready, tensors, placements))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # drain, so put never blocks on a dead writer
+            ready, tensors, placements = item
+            try:
+                if ready is not None:
+                    ready.synchronize()  # the non-blocking device->host copies of this batch have landed
+                for name, rows in tensors.items():
+                    for file_row, batch_row, count in placements:
+                        self.writer.write_rows(name, file_row, rows[batch_row : batch_row + count])
+            except BaseException as exc:  # re-raised on the main thread
+                self.error = exc
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise HiddenCacheError(f"{self.writer.path}: writing the hidden states failed: {self.error}") from self.error
+
+    def close(self, check: bool = True) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if check:
+            self._raise()
+
+
+def _decoder_layers(base, num_layers: int):
+    """The decoder layers to hook, or None when the model does not expose them as base.layers."""
+    layers = getattr(base, "layers", None)
+    if layers is None or len(layers) != num_layers:
+        return None
+    return layers
+
+
+class _CaptureLayers:
+    """Forward hooks that keep the outputs of the layers behind the capture indices (output_hidden_states[c] is
+    the output of decoder layer c - 1), so the forward holds three states instead of all num_layers + 1."""
+
+    def __init__(self, layers, capture: list[int]):
+        self.layers, self.capture, self.outputs, self.handles = layers, capture, {}, []
+
+    def __enter__(self):
+        for c in self.capture:
+            self.handles.append(self.layers[c - 1].register_forward_hook(self._keep(c)))
+        return self
+
+    def _keep(self, c: int):
+        def hook(module, args, output):
+            self.outputs[c] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def take(self) -> list:
+        states = [self.outputs.pop(c, None) for c in self.capture]
+        if any(s is None for s in states):
+            raise HiddenCacheError(f"the capture hooks saw no output for capture indices {self.capture}; the target's decoder layers were not called")
+        return states
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.outputs.clear()
+
+
+def _batch_inputs(batch, lengths, offsets, ids_t):
+    """Right-padded ids (B, L) and the flat positions of real tokens in (B*L) order, plus their placements."""
+    import torch
+
+    longest = int(lengths[batch[0]])
+    x = torch.zeros(len(batch), longest, dtype=torch.long)
+    keep, placements, packed = [], [], 0
+    for row, k in enumerate(batch):
+        n = int(lengths[k])
+        x[row, :n] = ids_t[offsets[k] : offsets[k] + n]
+        keep.append(torch.arange(row * longest, row * longest + n))
+        placements.append((int(offsets[k]), packed, n))
+        packed += n
+    return x, torch.cat(keep), placements
+
+
+def _to_device(t, device):
+    """Host -> device without a stall on CUDA (pinned source, non-blocking)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _to_host(tensors: dict, device):
+    """(host tensors, ready event): on CUDA the copies are non-blocking into pinned memory and the event marks them done."""
+    import torch
+
+    if device.type != "cuda":
+        return {name: t.cpu() for name, t in tensors.items()}, None
+    host = {name: t.to("cpu", non_blocking=True) for name, t in tensors.items()}  # pinned destination
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def extract_shard(
+    *,
+    tokens_path: str,
+    out_path: str,
+    model,
+    model_fingerprint: str,
+    template_sha256: str,
+    aux_layer_ids,
+    batch_tokens: int,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+) -> dict:
+    """Run the target over a token shard and cache aux [T, 3H] and final normed [T, H] states; returns the manifest.
+
+    With dtype float8_e4m3fn the states are stored quantized with per-token, per-layer-block scales
+    (aux_scale [T, 3], final_scale [T, 1], see eyrie.hidden.fp8); load_hidden and the trainer dequantize.
+    """
+    import torch
+    from tqdm import tqdm
+
+    tokenized_with = shard_template(tokens_path)
+    if tokenized_with != template_sha256:
+        raise ContractError(
+            f"{tokens_path}: tokenized with chat template {tokenized_with!r}, but the target's template is "
+            f"{template_sha256!r}; re-tokenize with this target or point model.path at the one used"
+        )
+    config = _text_config(model)
+    num_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    capture = capture_indices(aux_layer_ids, num_layers)
+    out_dtype = storage_dtype(dtype)
+
+    sample_ids, input_ids, loss_mask, offsets = read_tokens(tokens_path, HiddenCacheError)
+    lengths = np.diff(offsets)
+    total = int(offsets[-1])
+    device = next(model.parameters()).device
+    base = _base_model(model)
+    layers = _decoder_layers(base, num_layers)
+    batches = plan_token_batches(lengths, batch_tokens)
+    dtype_name = str(out_dtype).removeprefix("torch.")
+
+    manifest = {
+        "format": FORMAT,
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        "capture_indices": capture,
+        "num_hidden_layers": num_layers,
+        "hidden_size": hidden,
+        "target_model_fingerprint": model_fingerprint,
+        "template_sha256": template_sha256,
+        "dtype": dtype_name,
+        "compute_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "samples": len(sample_ids),
+        "tokens": total,
+        "assistant_tokens": int(loss_mask.sum(dtype=np.int64)),
+        "ids": sample_ids,
+    }
+    if is_fp8(dtype_name):
+        manifest["scales"] = FP8_SCALES_NOTE
+    ids_t = torch.from_numpy(input_ids)
+    bar = tqdm(
+        total=len(sample_ids),
+        unit="sample",
+        desc=f"hidden {Path(tokens_path).name}",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+
+    def write(temporary: Path) -> None:
+        writer = SafetensorsWriter(temporary, storage_specs(dtype_name, len(sample_ids), total, hidden), manifest)
+        rows = _BackgroundRows(writer)
+        failed = True
+        try:
+            writer.write_rows("offsets", 0, torch.from_numpy(offsets))
+            writer.write_rows("input_ids", 0, ids_t)
+            writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask))
+            start, done_tokens = time.perf_counter(), 0
+            with torch.inference_mode(), _CaptureLayers(layers or [], capture if layers else []) as hooks:
+                for batch in batches:
+                    x, keep, placements = _batch_inputs(batch, lengths, offsets, ids_t)
+                    # Right padding needs no attention mask: under the causal mask a real token never sees the
+                    # padding after it, and leaving the mask out lets SDPA take its causal (flash) kernels.
+                    out = base(
+                        input_ids=_to_device(x, device),
+                        output_hidden_states=layers is None,
+                        use_cache=False,
+                        return_dict=True,
+                    )
+                    if layers is None:
+                        if len(out.hidden_states) != num_layers + 1:
+                            raise HiddenCacheError(
+                                f"the target returned {len(out.hidden_states)} hidden states, expected {num_layers + 1} "
+                                "(embeddings + one per decoder layer); cannot map aux layer ids"
+                            )
+                        states = [out.hidden_states[c] for c in capture]
+                    else:
+                        states = hooks.take()
+                    # Only the real tokens leave the device, gathered by index (no host sync); last_hidden_state is
+                    # the decoder stack's output after its final norm: what the LM head reads.
+                    keep_d = _to_device(keep, device)
+                    aux = torch.cat([s.reshape(-1, hidden).index_select(0, keep_d) for s in states], dim=-1)  # (n, 3H)
+                    final = out.last_hidden_state.reshape(-1, hidden).index_select(0, keep_d)  # (n, H)
+                    del out, states
+                    host, ready = _to_host(encode_rows(aux, final, out_dtype), device)
+                    del aux, final
+                    rows.put(ready, host, placements)
+                    done_tokens += int(lengths[batch].sum())
+                    bar.update(len(batch))
+                    bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+            failed = False
+        finally:
+            rows.close(check=not failed)
+            writer.close()
+        bar.update(len(sample_ids) - bar.n)  # empty samples need no forward
+        if temporary.stat().st_size != manifest["file_bytes"]:
+            raise HiddenCacheError(f"{temporary}: wrote {temporary.stat().st_size} bytes, expected {manifest['file_bytes']}")
+
+    try:
+        write_atomically(out_path, write)
+    finally:
+        bar.close()
+    return manifest

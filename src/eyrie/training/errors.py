@@ -1,0 +1,13 @@
+"""What drafter training raises: every error names what to fix (the file, the setting or the launch)."""
+
+from __future__ import annotations
+
+from eyrie.core.errors import EyrieError
+
+
+class TrainingError(EyrieError):
+    """Drafter training cannot start or go on."""
+
+
+class TrainingInputError(TrainingError):
+    """The inputs (cache, vocabulary, target, settings) do not fit together; nothing was trained."""

@@ -1,0 +1,212 @@
+"""What training reads, checked to fit together before the first step.
+
+The hidden-state cache (read lazily, one batch's rows at a time), the draft vocabulary and the
+target's config; every guard runs in read_inputs, so a run that would train a useless drafter
+stops before it writes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eyrie.core.batching import batches_by_tokens
+from eyrie.core.errors import EyrieError
+from eyrie.data.vocab import VocabError, load_draft_vocab
+from eyrie.drafter.model import DrafterShape
+from eyrie.hidden.cache import check_manifest, read_manifest, read_state_rows, stored_names
+from eyrie.hidden.fp8 import FP8_NAME
+from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.target.head import target_text_config
+from eyrie.training.errors import TrainingInputError
+
+Sample = tuple[int, int, int]  # (cache shard, first token, length)
+
+
+class HiddenCache:
+    """The shards of the hidden-state cache, read lazily: only each batch's rows leave the files."""
+
+    def __init__(self, paths: list[str]):
+        from safetensors import safe_open
+
+        if not paths:
+            raise TrainingInputError("no hidden-state cache shards given")
+        self.paths = [str(p) for p in paths]
+        self.manifests = [read_manifest(p) for p in self.paths]
+        self._handles = [safe_open(p, framework="pt") for p in self.paths]
+        # float8 shards carry per-token scales; batch() dequantizes, so training sees float32 either way.
+        self.fp8 = [m.get("dtype") == FP8_NAME for m in self.manifests]
+        self.input_ids, self.loss_mask, self.offsets, self.widths = [], [], [], []
+        for path, f, manifest in zip(self.paths, self._handles, self.manifests):
+            names = set(f.keys())
+            missing = [n for n in stored_names(manifest) if n not in names]
+            if missing:
+                raise TrainingInputError(f"{path}: hidden-state cache lacks tensors {missing}")
+            ids = f.get_tensor("input_ids").long()
+            mask = f.get_tensor("loss_mask").bool()
+            offsets = f.get_tensor("offsets").long()
+            aux_shape = f.get_slice("aux_hidden").get_shape()
+            final_shape = f.get_slice("final_hidden").get_shape()
+            T = ids.numel()
+            if mask.numel() != T or aux_shape[0] != T or final_shape[0] != T or len(aux_shape) != 2 or len(final_shape) != 2:
+                raise TrainingInputError(
+                    f"{path}: tensors disagree in token count (input_ids {T}, loss_mask {mask.numel()}, "
+                    f"aux_hidden {aux_shape}, final_hidden {final_shape}); rebuild the cache"
+                )
+            if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != T or bool((offsets[1:] < offsets[:-1]).any()):
+                raise TrainingInputError(f"{path}: offsets do not partition the {T} cached tokens; rebuild the cache")
+            self.input_ids.append(ids)
+            self.loss_mask.append(mask)
+            self.offsets.append(offsets)
+            self.widths.append((int(aux_shape[1]), int(final_shape[1])))
+
+    def samples(self, max_len: int) -> tuple[list[Sample], int, int]:
+        """(shard, start, length) of every sample with something to train on; also (#truncated, #skipped)."""
+        out, truncated, skipped = [], 0, 0
+        for s, (offsets, mask) in enumerate(zip(self.offsets, self.loss_mask)):
+            for k in range(offsets.numel() - 1):
+                a, b = int(offsets[k]), int(offsets[k + 1])
+                n = b - a
+                if n > max_len:
+                    truncated += 1
+                    n = max_len
+                # Trainable positions predict tokens 2..n-1 (the first needs aux at 0 and token 1).
+                if n < 3 or not bool(mask[a + 2 : a + n].any()):
+                    skipped += 1
+                    continue
+                out.append((s, a, n))
+        return out, truncated, skipped
+
+    def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized), input_ids, loss_mask [B, L], lengths [B]."""
+        B, L = len(refs), max(n for _, _, n in refs)
+        aux_w, final_w = self.widths[refs[0][0]]
+        aux = torch.zeros(B, L, aux_w, dtype=dtype)
+        final = torch.zeros(B, L, final_w, dtype=dtype)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        for row, (s, a, n) in enumerate(refs):
+            f = self._handles[s]
+            aux[row, :n] = read_state_rows(f, "aux_hidden", a, a + n, self.fp8[s]).to(dtype)
+            final[row, :n] = read_state_rows(f, "final_hidden", a, a + n, self.fp8[s]).to(dtype)
+            ids[row, :n] = self.input_ids[s][a : a + n]
+            mask[row, :n] = self.loss_mask[s][a : a + n]
+        lengths = torch.tensor([n for _, _, n in refs], dtype=torch.long)
+        return {
+            "aux": aux.to(device),
+            "final": final.to(device),
+            "input_ids": ids.to(device),
+            "loss_mask": mask.to(device),
+            "lengths": lengths.to(device),
+            "tokens": int(lengths.sum()),
+        }
+
+
+@dataclass
+class TrainingInputs:
+    """Everything a run trains on, checked to fit together."""
+
+    cache: HiddenCache
+    target_config: Any  # the target's transformers (text) config
+    d2t: torch.Tensor  # int64 offsets: draft id i is target id i + d2t[i]
+    t2d: torch.Tensor  # bool over the target vocabulary
+    vocab_manifest: dict
+    shape: DrafterShape
+    samples: list[Sample]
+    batches: list[list[Sample]]  # one optimizer step each, longest first; each epoch shuffles their order
+    truncated: int  # samples cut to batch_tokens
+    skipped: int  # samples with nothing to train on
+
+
+def read_inputs(
+    *,
+    hidden_paths: list[str],
+    vocab_path: str,
+    target_dir: str,
+    drafter_cfg: dict,
+    batch_tokens: int,
+    template_sha256: str,
+    target_fingerprint: str,
+) -> TrainingInputs:
+    """Read the cache, the draft vocabulary and the target's config, run every guard, and plan the batches."""
+    ttt_steps = int(drafter_cfg["ttt_steps"])
+    if ttt_steps < 1:
+        raise TrainingInputError(f"drafter.ttt_steps must be at least 1, got {ttt_steps}")
+    target_config = target_text_config(target_dir)
+    try:
+        d2t, t2d, vocab_manifest = load_draft_vocab(vocab_path)  # checks d2t (int64 offsets) against t2d (bool)
+    except VocabError as exc:  # names the file
+        raise TrainingInputError(str(exc)) from None
+    cache = HiddenCache(hidden_paths)
+    aux_ids = _check_inputs(
+        cache=cache, target_config=target_config, d2t=d2t, t2d=t2d, vocab_manifest=vocab_manifest, vocab_path=str(vocab_path),
+        drafter_cfg=drafter_cfg, template_sha256=template_sha256, target_fingerprint=target_fingerprint,
+    )
+    shape = DrafterShape.from_target(target_config, int(d2t.numel()), aux_ids)
+    samples, truncated, skipped = cache.samples(batch_tokens)
+    if not samples:
+        raise TrainingInputError(
+            f"no trainable samples in {len(cache.paths)} cache shard(s) ({skipped} too short or without assistant tokens after position 2)"
+        )
+    batches = [[samples[k] for k in b] for b in batches_by_tokens([n for _, _, n in samples], batch_tokens)]
+    return TrainingInputs(cache, target_config, d2t, t2d, vocab_manifest, shape, samples, batches, truncated, skipped)
+
+
+def _check_inputs(*, cache: HiddenCache, target_config, d2t, t2d, vocab_manifest: dict, vocab_path: str, drafter_cfg: dict, template_sha256: str, target_fingerprint: str) -> list[int]:
+    """Every guard that must pass before a single step; returns the aux layer ids to train with."""
+    V, H, N = int(target_config.vocab_size), int(target_config.hidden_size), int(target_config.num_hidden_layers)
+
+    # Draft vocabulary: fits the target (load_draft_vocab checked that d2t and t2d agree).
+    Vd = int(d2t.numel())
+    if Vd > V:
+        raise TrainingInputError(
+            f"{vocab_path}: draft vocabulary has {Vd} ids, more than the target's vocabulary ({V}); "
+            "it was built for another target: rebuild it (draft_vocab_size <= target vocab)"
+        )
+    if t2d.numel() != V:
+        raise TrainingInputError(f"{vocab_path}: t2d covers {t2d.numel()} target ids, the target has {V}; rebuild the draft vocabulary for this target")
+    vocab_template = vocab_manifest.get("template_sha256")
+    if vocab_template is not None and vocab_template != template_sha256:
+        raise TrainingInputError(
+            f"{vocab_path}: built from tokens of chat template {vocab_template[:12]}, but the target's template is "
+            f"{template_sha256[:12]}; rebuild the draft vocabulary"
+        )
+
+    # Cache: one target, template, layer set and width for all shards, and the ones in use.
+    first = cache.manifests[0]
+    aux_ids = first.get("aux_layer_ids")
+    configured = drafter_cfg.get("aux_layer_ids")
+    wanted = list(configured) if configured is not None else default_aux_layer_ids(N)
+    try:
+        capture_indices(wanted, N)
+    except EyrieError as exc:
+        raise TrainingInputError(f"drafter.aux_layer_ids: {exc}") from None
+    for path, manifest in zip(cache.paths, cache.manifests):
+        for key in ("aux_layer_ids", "target_model_fingerprint", "template_sha256", "hidden_size"):
+            if manifest.get(key) != first.get(key):
+                raise TrainingInputError(
+                    f"hidden-state caches disagree on {key}: {cache.paths[0]} has {first.get(key)!r}, {path} has {manifest.get(key)!r}; "
+                    "delete results/hidden/ so all shards are rebuilt with one target and settings"
+                )
+        check_manifest(
+            manifest,
+            target_model_fingerprint=target_fingerprint,
+            template_sha256=template_sha256,
+            aux_layer_ids=wanted,
+            hidden_size=H,
+            path=path,
+        )
+    for path, (aux_w, final_w) in zip(cache.paths, cache.widths):
+        if aux_w != 3 * H:
+            raise TrainingInputError(
+                f"{path}: aux_hidden is {aux_w} wide, but the drafter's fc takes 3 x target hidden = {3 * H} "
+                "(three concatenated aux layers, not the final state); rebuild the cache"
+            )
+        if final_w != H:
+            raise TrainingInputError(f"{path}: final_hidden is {final_w} wide, the target's hidden size is {H}; rebuild the cache")
+    for path, ids in zip(cache.paths, cache.input_ids):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            raise TrainingInputError(f"{path}: token ids outside the target vocabulary [0, {V}); the cache is from another target")
+    return [int(i) for i in aux_ids]

@@ -1,0 +1,343 @@
+"""The training-time-test (TTT) forward and loss of the EAGLE-3 drafter, and one optimizer step.
+
+Alignment (EAGLE-3). For a sample of tokens x_0..x_{n-1} with cached aux states a_t and final
+normed states f_t (target logits at t = lm_head(f_t), predicting x_{t+1}):
+
+    step 0, position t:  hidden g = fc(a_t), input token x_{t+1}, rotary position t,
+                         target softmax(lm_head(f_{t+1})) -> predicts x_{t+2}
+    step j, position t:  hidden = the drafter's own pre-norm output of step j-1 at t,
+                         input token x_{t+1+j}, rotary position t+j,
+                         target softmax(lm_head(f_{t+1+j})) -> predicts x_{t+2+j}
+
+Attention at step j: the query sees the step-0 keys at positions <= t (causal) and the keys of
+steps 1..j at position t only (diagonal blocks). That is exactly what inference sees when it
+chains j drafts after position t, so the training forward at every step equals ``decode``
+(tested). A position is trained at step j when x_{t+2+j} exists, is an assistant token
+(loss_mask) and the target's full-vocabulary argmax at t+1+j lies in the draft vocabulary.
+
+Loss per step: soft cross-entropy against the target distribution restricted (renormalised) to
+the draft vocabulary; total = sum_j decay^j * loss_j.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyrie.drafter.model import Eagle3Drafter
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """y[:, t] = x[:, t + n], filled past the end."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_hidden(
+    model: Eagle3Drafter,
+    aux: torch.Tensor,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    steps: int,
+    select=None,
+    *,
+    attention: str = "eager",
+    recompute_mlp: bool = False,
+    compiled=None,
+) -> list[torch.Tensor]:
+    """The drafter's pre-norm output of each TTT step, aligned to the query position t.
+
+    aux [B, L, 3H] and input_ids [B, L] are the sample's own (index t = token t); step j at
+    position t reads token t+1+j at rotary position t+j (see the module docstring). Without
+    select, step j's output is [B, L, H]; with select (one bool [B, L] mask per step) it is
+    [n_j, H] for the selected positions only (the draft head, the costliest matrix product, is then
+    applied only where a loss is taken). attention: "eager" (DraftAttention.attend, the reference)
+    or "flex" (eyrie.training.ttt_attention). recompute_mlp: keep only the MLP's input for backward and
+    recompute the rest (about 230 MB less per step at the Llama-8B shape, one more MLP forward).
+    compiled: an eyrie.training.compiled_layers.CompiledLayers (train.compile) runs the layer's elementwise
+    work through torch.compile; None runs it eagerly.
+    """
+    B, L = input_ids.shape
+    flex = attention == "flex"
+    if flex:  # pad to whole flex tiles; padded positions are past every length, never selected
+        from eyrie.training.ttt_attention import padded_length, ttt_block_mask
+
+        Lp = padded_length(L, input_ids.device)
+        aux, input_ids = _pad_time(aux, Lp), _pad_time(input_ids, Lp)
+        if select is not None:  # bool masks gain padded columns; flat indices b * L + t move to b * Lp + t
+            select = [_pad_time(m, Lp) if m.dtype == torch.bool else m + (m // L) * (Lp - L) for m in select]
+        # Built once per padded length (cached), while little memory is in use.
+        block_masks = [ttt_block_mask(Lp, j + 1, str(input_ids.device)) for j in range(steps)]
+    else:
+        Lp = L
+    attn = model.midlayer.self_attn
+    pos = torch.arange(Lp, device=input_ids.device)
+    if not flex:
+        key_real = pos[None, :] < lengths[:, None]  # (B, Tk)
+        causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
+        mask0 = (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
+    compute_dtype = _autocast_dtype(aux.device)
+    hidden = model.fc(aux)
+    blocks, keys, values, outs = [], [], [], []
+    for j in range(steps):
+        tokens = shift_left(input_ids, 1 + j)
+        positions = (pos + j).unsqueeze(0).expand(B, Lp)
+        if compiled is None:
+            x, cos, sin = model.layer_inputs(hidden, tokens, positions)
+            if compute_dtype is not None:  # one cast shared by q, k, v (autocast would keep three copies)
+                x = x.to(compute_dtype)
+        else:
+            x, cos, sin = compiled.layer_inputs(model, hidden, tokens, positions, compute_dtype)
+        if flex:
+            from eyrie.training.ttt_attention import flex_ttt_attention
+
+            if compiled is None:
+                q, k, v = attn.project(x, cos, sin, repeat_kv=False)
+            else:  # q, k come out in v's dtype: the cast flex_ttt_attention makes, fused into the rotary
+                q, k, v = compiled.project(attn, x, cos, sin, repeat_kv=False, qk_as_v=True)
+            keys.append(k)
+            values.append(v)
+            attended = attn.output(flex_ttt_attention(q, keys, values, block_masks[j]))
+        else:
+            q, k, v = attn.project(x, cos, sin) if compiled is None else compiled.project(attn, x, cos, sin)
+            blocks.append((k, v, mask0 if j == 0 else None))
+            attended = attn.attend(q, blocks)
+        layer_output = model.layer_output if compiled is None else compiled.layer_output(model)
+        if recompute_mlp:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(layer_output, hidden, attended, use_reentrant=False)
+        else:
+            out = layer_output(hidden, attended)
+        outs.append(out[:, :L] if select is None else pick_positions(out, select[j]))
+        hidden = out
+    return outs
+
+
+def pick_positions(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """x[where] for a bool mask over x's first two dims, or the same rows by flat index (b * L + t) without a host sync."""
+    if where.dtype == torch.bool:
+        return x[where]
+    return x.reshape(-1, *x.shape[2:]).index_select(0, where)
+
+
+def positions_of(masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat indices (b * L + t) of each bool mask's True positions, all found with two host syncs.
+
+    Indexing with a bool mask syncs with the GPU each time (its result's size is data-dependent):
+    with 7 TTT steps and three uses per step that was about 40 stalls per training step.
+    """
+    stacked = torch.stack(masks).flatten(1)  # (S, B*L)
+    counts = stacked.sum(1).tolist()
+    flat = stacked.flatten().nonzero().squeeze(1) % stacked.shape[1]  # step-major, so split by counts
+    return list(flat.split(counts))
+
+
+def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int, select=None, **options) -> list[torch.Tensor]:
+    """Draft-vocabulary logits of each TTT step: [B, L, Vd], or [n_j, Vd] with select (see ttt_hidden)."""
+    # test_training_forward_equals_chained_inference_decode ties this to decode.
+    return [model.head(out) for out in ttt_hidden(model, aux, input_ids, lengths, steps, select, **options)]
+
+
+def _pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [B, L, ...] zero-padded (False for bool) along dim 1 to length."""
+    if x.shape[1] == length:
+        return x
+    pad = x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], dim=1)
+
+
+def _autocast_dtype(device: torch.device):
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _chunk_rows(vocab_size: int, device) -> int:
+    budget = (1 << 27) if torch.device(device).type == "cuda" else (1 << 24)  # elements of one [rows, V] chunk
+    return max(1, budget // vocab_size)
+
+
+_MM_FLOAT32_OUT = {"works": None}  # whether torch.mm(..., out_dtype=float32) runs on this torch/GPU
+
+
+def _logits_float32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T as float32, in weight's dtype: a bf16 head is multiplied in bf16 (fp32 accumulate)
+    and, where torch supports it on CUDA, written out in fp32 without rounding the logits to bf16."""
+    rows = rows.to(weight.dtype)
+    if weight.dtype != torch.float32 and weight.is_cuda and _MM_FLOAT32_OUT["works"] is not False:
+        try:
+            logits = torch.mm(rows, weight.T, out_dtype=torch.float32)
+            _MM_FLOAT32_OUT["works"] = True
+            return logits
+        except (TypeError, RuntimeError, NotImplementedError):  # older torch or no kernel: bf16 output instead
+            _MM_FLOAT32_OUT["works"] = False
+    return (rows @ weight.T).float()
+
+
+@torch.no_grad()
+def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk_rows: int | None = None):
+    """The target's view at the needed positions s of final [B, L, H].
+
+    lm_head [V, H] is used in its own dtype (bf16 on CUDA: no float32 copy of a 128256 x 4096 head).
+
+    Returns (probs [N, Vd] float32: softmax of the target logits gathered at draft_ids, i.e. the
+    distribution renormalised over the draft vocab, one row per needed position; row [B, L]: the
+    row of position s, -1 where not needed; arg [B, L]: draft id of the FULL-vocabulary argmax at
+    s, -1 where it lies outside the draft vocab or s is not needed). The full-vocabulary logits
+    exist one chunk of positions at a time, never [B*L, V] at once.
+    """
+    B, L, H = final.shape
+    Vd = draft_ids.numel()
+    needed_index = needed.flatten().nonzero().squeeze(1)  # one host sync; index_select/index_copy_ below need none
+    rows = final.reshape(B * L, H).index_select(0, needed_index)
+    N = rows.shape[0]
+    chunk_rows = chunk_rows or _chunk_rows(lm_head.shape[0], final.device)
+    probs = torch.empty(N, Vd, dtype=torch.float32, device=final.device)
+    argmax = torch.empty(N, dtype=torch.long, device=final.device)
+    for a in range(0, N, chunk_rows):
+        logits = _logits_float32(rows[a : a + chunk_rows], lm_head)  # [c, V]
+        argmax[a : a + chunk_rows] = logits.argmax(-1)
+        probs[a : a + chunk_rows] = torch.softmax(logits[:, draft_ids], dim=-1)
+        del logits
+    draft_arg = torch.where(t2d[argmax], torch.searchsorted(draft_ids, argmax).clamp(max=Vd - 1), torch.full_like(argmax, -1))
+    row = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
+    row.index_copy_(0, needed_index, torch.arange(N, device=final.device))
+    arg = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
+    arg.index_copy_(0, needed_index, draft_arg)
+    return probs, row.view(B, L), arg.view(B, L)
+
+
+def needed_targets(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Positions s whose target is used by some step: token s+1 exists and is an assistant token."""
+    L = loss_mask.shape[1]
+    return shift_left(loss_mask, 1, False) & (torch.arange(L, device=loss_mask.device)[None, :] + 1 < lengths[:, None])
+
+
+def step_targets(j: int, target_row, target_arg, loss_mask, lengths):
+    """Step j at query position t uses the target at position t+1+j (it predicts token t+2+j).
+
+    Returns (valid [B, L]: trained positions -- token t+2+j exists, is an assistant token, and the
+    target's argmax at t+1+j is in the draft vocab; row [B, L] and arg [B, L]: the target's
+    probability row and argmax draft id at t+1+j).
+    """
+    L = loss_mask.shape[1]
+    pos = torch.arange(L, device=loss_mask.device)
+    row = shift_left(target_row, 1 + j, -1)
+    arg = shift_left(target_arg, 1 + j, -1)
+    valid = (pos[None, :] + 2 + j < lengths[:, None]) & shift_left(loss_mask, 2 + j, False) & (arg >= 0) & (row >= 0)
+    return valid, row, arg
+
+
+def ttt_loss(logits_per_step, targets, target_probs, decay: float):
+    """(sum_j decay^j * soft cross-entropy of step j, per-step (loss, correct, count)).
+
+    logits_per_step[j] holds the logits of step j's trained positions only ([n_j, Vd], from
+    ttt_forward with select = the valid masks); targets[j] = step_targets(j, ...).
+    """
+    total = 0.0
+    stats = []
+    for j, (logits, (valid, row, arg)) in enumerate(zip(logits_per_step, targets)):
+        count = logits.shape[0]
+        if count == 0:
+            stats.append((0.0, 0, 0))
+            continue
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        loss_j = -(target_probs[row[valid]] * logp).sum(-1).mean()
+        correct = int((logits.argmax(-1) == arg[valid]).sum())
+        total = total + (decay**j) * loss_j
+        stats.append((float(loss_j.detach()), correct, count))
+    if not torch.is_tensor(total):
+        total = sum(logits.sum() for logits in logits_per_step) * 0.0  # keeps backward() valid for an all-masked batch
+    return total, stats
+
+
+def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, target_probs, chunked: bool = True):
+    """(soft cross-entropy summed over step j's trained positions, #argmax hits); out = ttt_hidden's [n_j, H].
+
+    chunked: eyrie.training.draft_loss (never keeps [n_j, Vd] logits for backward); otherwise the plain
+    formula of ttt_loss (the reference).
+    """
+    rows, args = pick_positions(row, valid), pick_positions(arg, valid)  # valid: bool [B, L] or flat indices
+    if chunked:
+        from eyrie.training.draft_loss import chunked_soft_cross_entropy
+
+        return chunked_soft_cross_entropy(model.norm(out), model.lm_head.weight, target_probs, rows, args)
+    logits = model.head(out)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(target_probs[rows] * logp).sum(), (logits.argmax(-1) == args).sum()
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter's training loss as one module forward, so DistributedDataParallel can wrap it.
+
+    compile (train.compile): the layer's elementwise work runs through torch.compile
+    (eyrie.training.compiled_layers); self.compiled.error says why it fell back to eager, if it did.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
+                 recompute_mlp: bool = False, compile: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        self.steps, self.decay = steps, decay
+        self.attention, self.chunked_loss, self.recompute_mlp = attention, chunked_loss, recompute_mlp
+        if compile:
+            from eyrie.training.compiled_layers import CompiledLayers
+
+            self.compiled = CompiledLayers()
+        else:
+            self.compiled = None
+
+    def forward(self, aux, input_ids, lengths, targets, target_probs, counts, weight: float = 1.0):
+        """(loss, stats [steps, 3] float64: per step loss sum, correct, count -- of these rows).
+
+        loss = weight * sum_j decay^j * (this rank's loss sum of step j) / counts[j], counts being
+        the trained positions of step j over all ranks: DDP averages gradients over ranks, so
+        weight = world size makes the update that of the whole batch on one rank.
+        """
+        model = self.drafter
+        outs = ttt_hidden(model, aux, input_ids, lengths, self.steps, select=[t[0] for t in targets],
+                          attention=self.attention, recompute_mlp=self.recompute_mlp, compiled=self.compiled)
+        loss, stats = 0.0, []
+        for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
+            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss)
+            loss = loss + (self.decay**j) * loss_sum / counts[j].clamp(min=1).to(loss_sum.dtype)
+            count = torch.full((), float(out.shape[0]), dtype=torch.float64, device=out.device)  # a fill, not a host copy
+            stats.append(torch.stack([loss_sum.detach().double(), correct.double(), count]))
+        return loss * weight, torch.stack(stats)
+
+
+def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool) -> dict:
+    """One optimizer step on this rank's rows of the step's batch; the same code on one rank or many.
+
+    objective: a TTTObjective, or DistributedDataParallel around one (then batch["weight"] is the
+    world size, 0 for a rank without rows that runs a stand-in row to keep the collectives going).
+    Returns the step's figures over all ranks: loss (sum_j decay^j * mean loss of step j), stats
+    [(loss_j, correct_j, count_j)] and tokens.
+    """
+    inner = objective.module if isinstance(objective, torch.nn.parallel.DistributedDataParallel) else objective
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    steps, decay = inner.steps, inner.decay
+    weight = float(batch.get("weight", 1.0))
+    lengths, loss_mask = batch["lengths"], batch["loss_mask"]
+    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
+    targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(steps)]
+    counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
+    if distributed:
+        torch.distributed.all_reduce(counts)
+    # Each step's trained positions as flat indices, found once: bool-mask indexing would stall on every use.
+    targets = [(index, row, arg) for index, (_, row, arg) in zip(positions_of([t[0] for t in targets]), targets)]
+    device_type = batch["aux"].device.type
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
+        loss, stats = objective(batch["aux"], batch["input_ids"], lengths, targets, target_probs, counts, weight)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in inner.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    totals = torch.cat([stats.flatten() * (weight != 0), stats.new_full((1,), float(batch["tokens"]) * (weight != 0))])
+    if distributed:
+        torch.distributed.all_reduce(totals)
+    totals = totals.tolist()  # the step's one host sync
+    per_step = [(totals[3 * j], int(totals[3 * j + 1]), int(totals[3 * j + 2])) for j in range(steps)]
+    means = [(loss_sum / count if count else 0.0, correct, count) for loss_sum, correct, count in per_step]
+    return {"loss": sum(decay**j * m[0] for j, m in enumerate(means) if m[2]), "stats": means, "tokens": int(totals[-1])}

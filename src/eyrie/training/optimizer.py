@@ -1,0 +1,30 @@
+"""The optimizer of drafter training: AdamW over the float32 master weights, and its learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eyrie.drafter.model import Eagle3Drafter
+
+
+def make_optimizer(model: Eagle3Drafter, learning_rate: float, weight_decay: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW over the float32 master weights (decay on matrices only); fused kernels on CUDA unless fused=False."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if fused is None:
+        fused = all(p.is_cuda for p in params)  # one kernel per group instead of several per tensor
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
+
+
+def learning_rate(step: int, total_steps: int, base: float, warmup_ratio: float) -> float:
+    """Linear warmup, then cosine decay towards 0; step is 0-based."""
+    warmup = int(warmup_ratio * total_steps)
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return base * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,123 @@
+"""Resume state: where a run stands, saved so that a killed job goes on with the same weights and log.
+
+``state_dir`` holds one safetensors file of tensors (trained weights, optimizer moments, RNG
+states) and state.json (everything else, naming that file). Each is written then renamed, the
+tensors first, so state.json always names a complete file; older tensor files go only after.
+A state is resumed only by a run of the same inputs and settings (run_identity).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from eyrie.core.atomic import write_json_atomically, write_safetensors_atomically
+from eyrie.training.metrics import new_window
+
+STATE_JSON = "state.json"
+STATE_FORMAT = "eyrie-train-state/1"
+
+
+@dataclass
+class RunRecord:
+    """What state.json keeps besides the weights and the optimizer: the steps done and their log."""
+
+    step: int  # optimizer steps done
+    log: list[dict]  # training_log.json's entries so far
+    tokens: int
+    seconds: float
+    window: dict  # the open logging window (eyrie.training.metrics)
+
+    @classmethod
+    def start(cls, ttt_steps: int) -> "RunRecord":
+        return cls(step=0, log=[], tokens=0, seconds=0.0, window=new_window(ttt_steps))
+
+
+def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str) -> str:
+    """Identity of a training run: what must match for a saved state to be resumed."""
+    digest = hashlib.sha256()
+    for manifest in manifests:
+        digest.update(json.dumps({k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token")}, sort_keys=True).encode())
+    digest.update(d2t.numpy().tobytes())
+    settings = {k: v for k, v in train_cfg.items() if k != "log_every"}
+    digest.update(json.dumps([drafter_cfg, settings, template_sha256, target_fingerprint], sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The order of an epoch's n batches: a function of seed and epoch alone, so a resumed run sees the same batches."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(n).tolist()
+
+
+def save_state(state_dir: Path, run_id: str, record: RunRecord, model, optimizer) -> None:
+    """Trained weights, optimizer state and RNG states beside the record, in the order that keeps resuming safe."""
+    tensors = {f"model.{name}": p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    opt = optimizer.state_dict()
+    opt_scalars = {}
+    for idx, entry in opt["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{idx}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                opt_scalars[f"{idx}.{key}"] = value
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+    name = f"state-{record.step:08d}.safetensors"
+    write_safetensors_atomically(tensors, state_dir / name)
+    meta = {
+        "run_id": run_id,
+        **asdict(record),
+        "format": STATE_FORMAT,
+        "tensors": name,
+        "optimizer_param_groups": opt["param_groups"],
+        "optimizer_scalars": opt_scalars,
+    }
+    write_json_atomically(state_dir / STATE_JSON, meta, indent=None)
+    for old in state_dir.glob("state-*.safetensors"):  # only after state.json names the new file
+        if old.name != name:
+            old.unlink(missing_ok=True)
+
+
+def load_state(state_dir: Path, run_id: str, model, optimizer, say: Callable[[str], None]) -> RunRecord | None:
+    """The saved progress, with model, optimizer and RNG restored in place; None (and why, to say) if there is none to resume."""
+    from safetensors.torch import load_file
+
+    path = state_dir / STATE_JSON
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+        tensors = load_file(str(state_dir / meta["tensors"]))
+    except Exception as exc:  # a half-written or foreign state is not fatal: train from the start
+        say(f"train: ignoring unreadable resume state in {state_dir} ({exc}); starting over")
+        return None
+    if meta.get("format") != STATE_FORMAT or meta.get("run_id") != run_id:
+        say(f"train: resume state in {state_dir} is from other inputs or settings; starting over")
+        return None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(tensors[f"model.{name}"])
+    opt_state: dict = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, idx, field = key.split(".", 2)
+            opt_state.setdefault(int(idx), {})[field] = value
+    for key, value in meta["optimizer_scalars"].items():
+        idx, field = key.split(".", 1)
+        opt_state.setdefault(int(idx), {})[field] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": meta["optimizer_param_groups"]})
+    torch.set_rng_state(tensors["rng.cpu"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    return RunRecord(meta["step"], meta["log"], meta["tokens"], meta["seconds"], meta["window"])
