@@ -1,10 +1,7 @@
 """The hidden-state cache FORMAT: per token, the target's three aux hidden states and its final normed state.
 
-Layer convention (DESIGN.md "Aux layers"): ``aux_layer_ids`` are SGLang's
-``eagle_aux_hidden_state_layer_ids``, the 0-based index i of the decoder layer whose OUTPUT is
-fused. SGLang captures the residual stream entering layer i + 1, which is transformers'
-``output_hidden_states[i + 1]`` (index 0 being the embeddings). ``capture_indices`` is the only
-place that mapping is written down; everything else derives the capture from it.
+The manifest records ``aux_layer_ids`` in SGLang's convention and the ``capture_indices`` derived
+from them by eyrie.target.aux_layers (docs/DESIGN.md "Aux layers"), the only owner of that mapping.
 
 One token shard becomes one safetensors file (written by the extract job, eyrie.hidden.extract);
 a JSON manifest in its metadata names the target, the chat template and the layers, so a cache

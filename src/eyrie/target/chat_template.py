@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eyrie.core.errors import EyrieError
-
-
-class TemplateError(EyrieError):
-    pass
+from eyrie.core.errors import ContractError
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -40,13 +36,13 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not (full.startswith(after) and after.startswith(before)):
-            raise TemplateError(
+            raise ContractError(
                 "the chat template does not render prefixes of a conversation as prefixes of the whole "
                 f"(at message {i}); eyrie cannot locate assistant tokens with this template"
             )
         offset = after.find(message["content"], len(before))
         if offset < 0:
-            raise TemplateError(f"the chat template changes assistant content (message {i}); cannot build a loss mask")
+            raise ContractError(f"the chat template changes assistant content (message {i}); cannot build a loss mask")
         end = offset + len(message["content"])
         tail = after[end:]
         closing = next((t for t in end_tokens if tail.lstrip(" ").startswith(t)), None)
