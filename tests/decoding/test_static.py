@@ -238,6 +238,32 @@ def test_cuda_graph_replays_equal_eager_runs():
         assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
 
 
+def test_compiled_steps_decode_exactly_like_eager_steps():
+    """compile fuses each step's kernels (inductor): the same greedy tokens and the same speculative rounds."""
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    drafter = tiny_drafter(model)
+    prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    eager, fused = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=False, compile=True)
+    assert fused.label == "static-compiled"
+    assert greedy_decode(fused, prompt, 30, set()).tokens == greedy_decode(eager, prompt, 30, set()).tokens
+    a = speculative_decode(eager, drafter, prompt, 30, set(), 3)
+    b = speculative_decode(fused, drafter, prompt, 30, set(), 3)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_compiled_cuda_graph_replays_equal_eager_runs():
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2).cuda()
+    drafter = tiny_drafter(model).cuda()
+    prompt = torch.randint(0, 5, (12,)).tolist()
+    eager, fused = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=True, compile=True)
+    assert greedy_decode(fused, prompt, 40, set()).tokens == greedy_decode(eager, prompt, 40, set()).tokens
+    a = speculative_decode(eager, drafter, prompt, 40, set(), 4)
+    b = speculative_decode(fused, drafter, prompt, 40, set(), 4)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+    assert fused.label == "static-cudagraph-compiled" and not fused.capture_failures
+
+
 # --------------------------------------------------------------------------- the real target
 
 

@@ -43,6 +43,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CAPACITY_STEP = 64  # cache slots are rounded up to this: fewer recaptures, aligned attention masks
 SMALLEST_SPAN = 256  # attention spans are this times a power of two (or the whole cache)
+# On CUDA inductor fuses and autotunes, Replay captures: inductor's own graphs would fight ours over the buffers.
+COMPILE_MODE = "max-autotune-no-cudagraphs"
 
 
 class UnsupportedTargetError(EyrieError):
@@ -124,7 +126,7 @@ class StaticLlama:
 
     rows = 1  # cache rows (sequences); BatchedGreedy holds many
 
-    def __init__(self, model, capacity: int = 512, cuda_graphs: bool | None = None):
+    def __init__(self, model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False):
         check_supported(model)
         self.model, self.config = model, model.config
         self.layers = list(model.model.layers)
@@ -138,12 +140,26 @@ class StaticLlama:
         self.head_dim = attention.head_dim if hasattr(attention, "head_dim") else self.config.hidden_size // self.heads
         self.drafters: dict[int, StaticEagle3] = {}
         self.capture_failures: list[str] = []  # why a graph capture failed: those steps run eagerly
+        self.compile = bool(compile)
+        self._greedy_step_fn = self.step_function(self._greedy_step)
         self.capacity = 0
         self.ensure_capacity(capacity)
 
     @property
     def label(self) -> str:
-        return "static-cudagraph" if self.use_graphs and not self.capture_failures else "static"
+        label = "static-cudagraph" if self.use_graphs and not self.capture_failures else "static"
+        return label + "-compiled" if self.compile else label
+
+    def step_function(self, method):
+        """`method` (a step on static buffers, taking the span) as Replay will run it: fused by inductor when compile is set.
+
+        Each step's many small kernels (norms, rotary, residual adds, SiLU * up, casts) become a few fused
+        ones; one compiled graph per span (dynamo specialises on the int). Compilation happens in Replay's
+        warm-up, before any capture.
+        """
+        if not self.compile:
+            return method
+        return torch.compile(method, dynamic=False, mode=COMPILE_MODE if self.device.type == "cuda" else None)
 
     @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
@@ -242,7 +258,7 @@ class StaticLlama:
         self.ensure_capacity(needed_capacity(len(prompt_ids), max_new_tokens))
         for span in spans_up_to(self.capacity):  # captured before the prefill: their warm-ups write cache slots
             if span not in self.greedy_steps:
-                self.greedy_steps[span] = Replay(functools.partial(self._greedy_step, span), self.use_graphs, self.capture_failures)
+                self.greedy_steps[span] = Replay(functools.partial(self._greedy_step_fn, span), self.use_graphs, self.capture_failures)
         predicted, _ = self.prefill(prompt_ids)
         self.token.copy_(predicted[:, -1:])
         self.position.fill_(len(prompt_ids))
@@ -386,10 +402,11 @@ class StaticEagle3:
         if not self.rounds or self.k != k:
             self.rounds = {}  # free the old graphs before capturing the next
             self._buffers(k)
+            round_step = self.target.step_function(self._round)
             for span in spans_up_to(self.capacity):
                 self.target.token.zero_()
                 self.target.position.zero_()  # warm-up runs write slots 0..2k, later overwritten by the prefill
-                self.rounds[span] = Replay(functools.partial(self._round, span), self.target.use_graphs, self.target.capture_failures)
+                self.rounds[span] = Replay(functools.partial(round_step, span), self.target.use_graphs, self.target.capture_failures)
         return self.rounds
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, k: int) -> SpecResult:
