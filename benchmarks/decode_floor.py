@@ -1,0 +1,184 @@
+"""How far eyrie's static decoder is from the hardware's floor, side by side in one process.
+
+    python benchmarks/decode_floor.py --dtypes bfloat16 float32 --tokens 256      # on a GPU
+    python benchmarks/decode_floor.py --small --tokens 16 --no-compile           # CPU smoke test
+
+The target is a random-weight model of the default target's shape (SmolLM2-135M: hidden 576, 30 layers,
+9 heads / 3 KV heads, vocab 49152; `--small` shrinks it). Three greedy decoders run on the same weights:
+
+  floor            a minimal static-KV-cache Llama step written here (one attention over the whole cache,
+                   no spans, no hidden-state capture) whose whole step is fused by
+                   torch.compile(mode="max-autotune-no-cudagraphs") and captured as one CUDA graph:
+                   what a lean engine does per token at this shape;
+  static           eyrie.decoding.static.StaticLlama, one CUDA graph per step (bench.decoder: static);
+  static-compiled  the same with compile=True (each step fused by inductor, then captured).
+
+Each prints ms/token (median of --repeats runs of --tokens tokens after a --prompt-token prefill) and
+its ratio to the floor; the three must produce the same tokens in float32 (bf16 may drift at near-ties,
+so there agreement up to the first divergence is printed instead). With --drafter-k K the static
+decoders also run speculative rounds with a random drafter and print ms per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from eyrie.decoding.decode import greedy_decode, speculative_decode
+from eyrie.decoding.graphs import Replay
+from eyrie.decoding.static import COMPILE_MODE, StaticLlama, needed_capacity
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
+               vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+WARMUPS = 2  # untimed runs first: compilation, autotuning and graph capture happen in them
+SMALL = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=512)
+
+
+class FloorDecoder:
+    """Greedy decoding of a Llama (HF weights, used in place) on a static cache: the lean engine to compare with."""
+
+    def __init__(self, model, capacity: int, compile: bool, graphs: bool):
+        inner, config = model.model, model.config
+        self.model, self.layers = model, list(inner.layers)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.hidden_size // self.heads
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        shape = (len(self.layers), 1, self.kv_heads, capacity, self.head_dim)
+        self.keys, self.values = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        self.slots = torch.arange(capacity, device=device)
+        cos, sin = inner.rotary_emb(torch.zeros(1, device=device, dtype=dtype), self.slots[None])
+        self.cos, self.sin = cos[0], sin[0]
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        step = torch.compile(self._step, dynamic=False, mode=COMPILE_MODE if device.type == "cuda" else None) if compile else self._step
+        self.failures: list[str] = []
+        self.replay = Replay(step, graphs, self.failures)
+
+    @staticmethod
+    def _rotate(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def _step(self) -> None:
+        x = self.model.model.embed_tokens(self.token)  # (1, 1, H)
+        cos, sin = self.cos[self.position][None, None], self.sin[self.position][None, None]
+        visible = (self.slots <= self.position)[None, None, None]  # (1, 1, 1, capacity)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, 1, self.heads, self.head_dim).transpose(1, 2)
+            k = a.k_proj(h).view(1, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = a.v_proj(h).view(1, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = q * cos + self._rotate(q) * sin, k * cos + self._rotate(k) * sin
+            self.keys[i].index_copy_(2, self.position, k)
+            self.values[i].index_copy_(2, self.position, v)
+            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, enable_gqa=True)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.token.copy_(self.model.lm_head(self.model.model.norm(x)).argmax(-1))
+        self.position.add_(1)
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+        """(tokens, seconds of the decode steps): the prompt is fed token by token through the same step (untimed)."""
+        self.position.zero_()
+        for token in prompt_ids:
+            self.token.fill_(token)
+            self.replay()
+        tokens = [int(self.token)]
+        sync = torch.cuda.synchronize if self.token.is_cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self.replay()
+            tokens.append(self.token)  # tensors: no host sync inside the timed loop
+        sync()
+        seconds = time.perf_counter() - start
+        return [int(t) for t in tokens], seconds
+
+
+def random_drafter(model, k_vocab: int = 4096):
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+    from eyrie.target.aux_layers import default_aux_layer_ids
+
+    config = model.config
+    shape = DrafterShape.from_target(config, min(k_vocab, config.vocab_size), default_aux_layer_ids(config.num_hidden_layers))
+    embed = model.get_input_embeddings().weight.detach()
+    d2t = torch.zeros(shape.draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[: shape.draft_vocab_size] = True
+    drafter = Eagle3Drafter(shape, embed.float().cpu(), d2t, t2d)
+    return drafter.to(device=model.device, dtype=model.dtype).eval()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def run(dtype_name: str, args) -> list[dict]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(SMALL if args.small else SMOLLM2))).to(device=device, dtype=dtype).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    capacity = needed_capacity(len(prompt), args.tokens, args.drafter_k)
+    graphs = device == "cuda"
+    rows = []
+
+    floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs)
+    floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+    floor_tokens = floor_runs[0][0]
+    floor_ms = 1000 * statistics.median(s for _, s in floor_runs) / (args.tokens - 1)
+    rows.append({"dtype": dtype_name, "decoder": "floor" + ("-compiled" if args.compile else ""), "ms_per_token": floor_ms,
+                 "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures})
+
+    for compile in ([False, True] if args.compile else [False]):
+        engine = StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile)
+        results = [greedy_decode(engine, prompt, args.tokens, set()) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+        # greedy_decode times the prefill too: subtract a prefill-only run's time
+        prefill = statistics.median(greedy_decode(engine, prompt, 1, set()).seconds for _ in range(3))
+        ms = 1000 * (statistics.median(r.seconds for r in results) - prefill) / (args.tokens - 1)
+        row = {"dtype": dtype_name, "decoder": engine.label, "ms_per_token": ms, "ratio_to_floor": ms / floor_ms,
+               "first_divergence_from_floor": first_divergence(results[0].tokens, floor_tokens), "capture_failures": engine.capture_failures}
+        if args.drafter_k:
+            drafter = random_drafter(model)
+            spec = [speculative_decode(engine, drafter, prompt, args.tokens, set(), args.drafter_k) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+            best = min(spec, key=lambda r: r.seconds)
+            row["ms_per_round"] = 1000 * (best.seconds - prefill) / best.rounds
+            row["round_in_greedy_steps"] = row["ms_per_round"] / ms
+            row["spec_lossless"] = best.tokens == results[0].tokens
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--drafter-k", type=int, default=4, help="speculative rounds of this chain length with a random drafter (0: none)")
+    parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants (CPU smoke test)")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    rows = [row for dtype in args.dtypes for row in run(dtype, args)]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"{'dtype':9} {'decoder':28} {'ms/token':>9} {'x floor':>8} {'diverges at':>11} {'ms/round':>9} {'round/step':>10}")
+    for r in rows:
+        print(f"{r['dtype']:9} {r['decoder']:28} {r['ms_per_token']:9.3f} {r['ratio_to_floor']:8.2f} {str(r['first_divergence_from_floor']):>11} "
+              f"{r.get('ms_per_round', float('nan')):9.3f} {r.get('round_in_greedy_steps', float('nan')):10.2f}"
+              + ("" if not r["capture_failures"] else f"  CAPTURE FAILED: {r['capture_failures'][:1]}"))
+
+
+if __name__ == "__main__":
+    main()
