@@ -53,8 +53,9 @@ def make_target(path, *, H=32, heads=4, kv_heads=2, intermediate=64, layers=8, V
     return path
 
 
-def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fingerprint=FINGERPRINT, seed=0, aux_width=None, final_scale=1.0):
-    """A hidden-state cache shard in eyrie.hidden.cache's format, with random states from a fixed seed."""
+def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fingerprint=FINGERPRINT, seed=0, aux_width=None, final_scale=1.0,
+                sample_ids=None, states=None):
+    """A hidden-state cache shard in eyrie.hidden.cache's format, with random states from a fixed seed (or `states`: (aux, final) rows)."""
     aux_ids = aux_ids or [1, layers // 2 - 1, layers - 4]
     g = torch.Generator().manual_seed(seed)
     ids = torch.cat([torch.as_tensor(s[0], dtype=torch.int32) for s in samples])
@@ -62,9 +63,10 @@ def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fi
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor([len(s[0]) for s in samples]), 0)
     T = ids.numel()
+    aux, final = states if states is not None else (torch.randn(T, aux_width or 3 * H, generator=g), final_scale * torch.randn(T, H, generator=g))
     tensors = {
-        "aux_hidden": torch.randn(T, aux_width or 3 * H, generator=g).to(torch.bfloat16),
-        "final_hidden": (final_scale * torch.randn(T, H, generator=g)).to(torch.bfloat16),
+        "aux_hidden": aux.to(torch.bfloat16),
+        "final_hidden": final.to(torch.bfloat16),
         "input_ids": ids,
         "loss_mask": mask,
         "offsets": offsets,
@@ -80,7 +82,7 @@ def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fi
         "dtype": "bfloat16",
         "samples": len(samples),
         "tokens": T,
-        "ids": [f"s{k}" for k in range(len(samples))],
+        "ids": sample_ids or [f"s{k}" for k in range(len(samples))],
     }
     save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
     return str(path)
@@ -690,40 +692,52 @@ def test_objective_with_chunked_loss_equals_the_reference_loss():
 # --------------------------------------------------------------------------- data parallel
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
-    """torchrun, 2 gloo ranks, same global batches: the loss curve and final weights of one (eager) rank;
-    also with train.compile in the ranks (compiled pieces inside DistributedDataParallel's forward)."""
+def run_two_ranks(tmp_path, inputs, name, train):
+    """train_drafter in two gloo ranks under torchrun (out_dir tmp_path / name), as the train job launches it."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    args = {
+        **inputs,
+        "out_dir": str(tmp_path / name),
+        "state_dir": str(tmp_path / f"{name}.state"),
+        "drafter_cfg": {"ttt_steps": 3},
+        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train},
+        "template_sha256": TEMPLATE,
+        "target_fingerprint": FINGERPRINT,
+        "progress": False,
+    }
+    (tmp_path / f"{name}.args.json").write_text(json.dumps(args))
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.training.train",
+         str(tmp_path / f"{name}.args.json")],
+        capture_output=True, text=True, timeout=300, env=env,  # ~15 s alone; generous for a shared, loaded machine
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def without_seconds(evaluations):
+    """Eval records less their wall time, the one figure that differs between runs."""
+    if isinstance(evaluations, dict):
+        return {k: v for k, v in evaluations.items() if k != "seconds"}
+    return None if evaluations is None else [without_seconds(e) for e in evaluations]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
+    """torchrun, 2 gloo ranks, same global batches: the loss curve and final weights of one (eager) rank;
+    also with train.compile in the ranks (compiled pieces inside DistributedDataParallel's forward)."""
     V = 96
     # Batches of 3, 2 and 1 rows (batch_tokens 96): uneven shares and a rank with a stand-in row.
     samples = random_samples(6, [32, 30, 29, 40, 44, 90], V, seed=7)
     inputs = tiny_setup(tmp_path, samples=samples, V=V)
     train = {"epochs": 2, "batch_tokens": 96, "learning_rate": 3e-3, "warmup_ratio": 0.2, "attention": "eager"}
     one = run(tmp_path, inputs, "one", train=train)
-
-    args = {
-        **inputs,
-        "out_dir": str(tmp_path / "two"),
-        "state_dir": str(tmp_path / "two.state"),
-        "drafter_cfg": {"ttt_steps": 3},
-        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train, "compile": compile},
-        "template_sha256": TEMPLATE,
-        "target_fingerprint": FINGERPRINT,
-        "progress": False,
-    }
-    (tmp_path / "args.json").write_text(json.dumps(args))
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.training.train", str(tmp_path / "args.json")],
-        capture_output=True, text=True, timeout=300, env=env,  # ~15 s alone; generous for a shared, loaded machine
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_two_ranks(tmp_path, inputs, "two", {**train, "compile": compile})
 
     log_one = json.loads((tmp_path / "one" / "training_log.json").read_text())
     log_two = json.loads((tmp_path / "two" / "training_log.json").read_text())
@@ -732,6 +746,9 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
         assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (a["step"], a["loss"], b["loss"])
         assert a["positions_per_step"] == b["positions_per_step"]
         assert b.get("compiled", False) is compile  # compiled throughout, no fallback
+    # The simulated acceptance (on training batches here: 6 samples) is the same on two ranks as on one.
+    assert [without_seconds(e.get("eval")) for e in log_one] == [without_seconds(e.get("eval")) for e in log_two]
+    assert [len(e.get("eval", [])) for e in log_one] == [0, 0, 1, 0, 0, 1]
     w_one = load_file(str(tmp_path / "one" / "model.safetensors"))
     w_two = load_file(str(tmp_path / "two" / "model.safetensors"))
     for key in w_one:
@@ -895,3 +912,217 @@ def test_training_without_a_cxx_compiler_falls_back_to_eager_and_logs_it(tmp_pat
     assert [e["loss"] for e in log] == [e["loss"] for e in eager_log]  # every step ran the eager code
     config = json.loads((tmp_path / "compiled" / "config.json").read_text())
     assert config["eyrie"]["train"]["compile"] is True and config["eyrie"]["metrics"]["compile"]["compiled"] is False
+
+
+# --------------------------------------------------------------------------- simulated acceptance on held-out samples
+
+
+def test_held_out_samples_are_chosen_by_id_and_adding_samples_moves_none():
+    from eyrie.training.holdout import MAX_HELD_OUT, held_out_indices
+
+    ids = [f"conv{k}_0" for k in range(400)]
+    held = {ids[k] for k in held_out_indices(ids, 0.05)}
+    assert 5 <= len(held) <= 40  # about 20
+    # More shards (new ids, anywhere in the order): every old sample stays on its side.
+    grown = [f"new{k}_0" for k in range(300)] + ids[::-1]
+    held_grown = {grown[k] for k in held_out_indices(grown, 0.05)}
+    assert held_grown & set(ids) == held and held_grown - set(ids)
+    # Bounds: none below 20 samples or at fraction 0; at least 1; at most MAX_HELD_OUT.
+    assert held_out_indices(ids[:19], 0.5) == [] and held_out_indices(ids, 0.0) == []
+    assert len(held_out_indices(ids[:20], 1e-9)) == 1
+    assert len(held_out_indices([f"x{k}" for k in range(2000)], 0.5)) == MAX_HELD_OUT
+
+
+def test_read_inputs_holds_out_by_id_across_shards(tmp_path):
+    from eyrie.training.inputs import read_inputs
+
+    V, H, layers = 120, 32, 8
+    inputs = tiny_setup(tmp_path, V=V)
+    shard_a = write_cache(tmp_path / "a.safetensors", random_samples(30, 12, V, seed=1), H=H, layers=layers, sample_ids=[f"a{k}" for k in range(30)])
+    shard_b = write_cache(tmp_path / "b.safetensors", random_samples(30, 12, V, seed=2), H=H, layers=layers, sample_ids=[f"b{k}" for k in range(30)])
+
+    def held_out_ids(paths, fraction=0.2):
+        read = read_inputs(hidden_paths=paths, vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"], drafter_cfg={"ttt_steps": 3},
+                           batch_tokens=64, template_sha256=TEMPLATE, target_fingerprint=FINGERPRINT, eval_fraction=fraction)
+        ids = dict(zip([(s, a) for s, a, _ in read.samples + read.held_out], read.cache.sample_ids(read.samples + read.held_out)))
+        assert not set(read.samples) & set(read.held_out) and len(read.samples) + len(read.held_out) == 30 * len(paths)
+        if read.held_out:  # the simulation runs on exactly the held-out samples
+            assert sorted(r for b in read.eval_batches for r in b) == sorted(read.held_out)
+        return {ids[(s, a)] for s, a, _ in read.held_out}, read
+
+    alone, _ = held_out_ids([shard_a])
+    both, read_ab = held_out_ids([shard_b, shard_a])  # the other shard first: positions move, ids do not
+    assert alone and {i for i in both if i.startswith("a")} == alone and both - alone
+    assert "held out of training" in read_ab.eval_note
+    none, read_none = held_out_ids([shard_a], fraction=0.0)
+    assert none == set() and "train.eval_fraction is 0" in read_none.eval_note
+    assert len(read_none.samples) == 30 and read_none.eval_batches and all(b in read_none.batches for b in read_none.eval_batches)
+
+
+def test_simulated_length_formula_on_known_accuracies():
+    from eyrie.training.acceptance import acceptance_lengths, acceptance_summary
+
+    lengths = acceptance_lengths([0.8, 0.5, 0.25])
+    assert lengths == pytest.approx([1.8, 1.8 + 0.4, 1.8 + 0.4 + 0.1])
+    assert acceptance_lengths([1.0, 1.0, 1.0, 1.0]) == [2.0, 3.0, 4.0, 5.0]  # a perfect drafter: k + 1
+    assert acceptance_lengths([0.5, None, 0.5]) == [1.5, None, None]  # unmeasured from step 1 on
+    assert acceptance_lengths([0.0, None]) == [1.0, 1.0]  # the chain stops at step 0: later steps add nothing
+    # From counts: step 0 hits 8 of 10; the chain reaches step 1 at those 8 positions and hits 4 of them.
+    summary = acceptance_summary([[8, 6], [10, 10], [8, 4], [10, 8]], source="held-out cache samples", samples=3)
+    assert summary["per_step_accuracy"] == [0.8, 0.6] and summary["length"] == pytest.approx([1.8, 1.8 + 0.48])
+    assert summary["conditional_accuracy"] == [0.8, 0.5] and summary["conditional_length"] == pytest.approx([1.8, 2.2])
+    assert summary["k"] == [1, 2] and summary["eval_samples"] == 3 and summary["positions_per_step"] == [10, 10]
+
+
+def test_eval_counts_use_the_training_masking():
+    """batch_counts' per-step hits and positions are ttt_loss's (the training statistics); its chain counts are
+    the leading run of hits at each position, recounted here by hand."""
+    from eyrie.training.acceptance import CHAIN_HITS, CHAIN_REACH, COUNT, HITS, batch_counts
+
+    model = tiny_model(Vd=60)
+    g = torch.Generator().manual_seed(11)
+    B, L, H, V, steps = 2, 14, 32, 120, 3
+    lengths = torch.tensor([14, 9])
+    batch = {"aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g),
+             "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2, "lengths": lengths}
+    lm_head, draft_ids = torch.randn(V, H, generator=g), torch.arange(60) * 2
+    with torch.no_grad():  # a head started from the target's rows, so that some drafts hit
+        model.lm_head.weight.copy_(lm_head[draft_ids])
+    counts = batch_counts(model, batch, target_lm_head=lm_head, draft_ids=draft_ids, t2d=model.t2d, steps=steps, attention="eager", use_bf16=False)
+
+    probs, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), lm_head, draft_ids, model.t2d)
+    targets = [step_targets(j, row, arg, batch["loss_mask"], lengths) for j in range(steps)]
+    with torch.no_grad():
+        full = ttt_forward(model, batch["aux"], batch["input_ids"], lengths, steps)
+        _, stats = ttt_loss([f[t[0]] for f, t in zip(full, targets)], targets, probs, 0.8)
+    assert counts[HITS].tolist() == [c for _, c, _ in stats] and counts[COUNT].tolist() == [n for _, _, n in stats]
+    assert counts[HITS].sum() > 0
+    for j in range(steps):
+        reach = hits = 0
+        for b in range(B):
+            for t in range(L):
+                ok = [bool(targets[i][0][b, t]) and int(full[i][b, t].argmax()) == int(targets[i][2][b, t]) for i in range(j)]
+                if all(ok) and targets[j][0][b, t]:
+                    reach += 1
+                    hits += int(full[j][b, t].argmax()) == int(targets[j][2][b, t])
+        assert (int(counts[CHAIN_REACH, j]), int(counts[CHAIN_HITS, j])) == (reach, hits), j
+
+
+def _cyclic_setup(tmp_path, n_samples=24, length=20, V=64, H=32, layers=8, period=16):
+    """A scripted cache: each sample walks one cycle of `period` tokens from its own start, and every state is a fixed
+    function of its token, so the target's next token is a function of the drafter's input token at every TTT step:
+    what training learns carries over to held-out samples."""
+    g = torch.Generator().manual_seed(21)
+    cycle = torch.randperm(V, generator=g)[:period]
+    aux_table, final_table = torch.randn(V, 3 * H, generator=g), 3 * torch.randn(V, H, generator=g)
+    samples, starts = [], torch.randint(0, period, (n_samples,), generator=g).tolist()
+    for start in starts:
+        tokens = [int(cycle[(start + t) % period]) for t in range(length)]
+        samples.append((tokens, [0, 0] + [1] * (length - 2)))
+    ids = torch.tensor([t for tokens, _ in samples for t in tokens])
+    target = make_target(tmp_path / "target", H=H, V=V, layers=layers)
+    cache = write_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers, sample_ids=[f"walk{k}" for k in range(n_samples)],
+                        states=(aux_table[ids], final_table[ids]))
+    vocab = write_vocab(tmp_path / "vocab.safetensors", range(V), V)
+    return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
+
+
+def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_samples(tmp_path):
+    from eyrie.drafter.checkpoint import read_simulated_acceptance, simulated_length
+
+    inputs = _cyclic_setup(tmp_path)
+    summary = run(tmp_path, inputs, train={"epochs": 15, "learning_rate": 1e-2, "batch_tokens": 100, "eval_fraction": 0.2, "log_every": 5})
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    evaluations = [e for entry in log for e in entry.get("eval", [])]
+    assert [e["epoch"] for e in evaluations] == list(range(1, 16))
+    first, last = evaluations[0], evaluations[-1]
+    held_out = last["eval_samples"]
+    assert last["source"] == "held-out cache samples" and 1 <= held_out < 24 and summary["samples"] == 24 - held_out
+    assert last["k"] == [1, 2, 3] and min(last["per_step_accuracy"]) > 0.9, last["per_step_accuracy"]
+    assert last["length"][-1] > 3.6 and last["length"][-1] > first["length"][-1] + 1, (first["length"], last["length"])
+    assert last["conditional_length"][-1] > 3.6
+    written = read_simulated_acceptance(tmp_path / "drafter")
+    assert without_seconds(written) == without_seconds(last) == without_seconds(summary["simulated_acceptance"])
+    assert simulated_length(written, 3) == last["length"][2] and simulated_length(written, 4) is None
+
+
+def test_simulated_acceptance_round_trips_through_config_json_and_old_drafters_read_none(tmp_path):
+    from eyrie.drafter.checkpoint import read_simulated_acceptance, simulated_length
+
+    inputs = tiny_setup(tmp_path)  # 2 samples: no held-out set, training batches instead, said so
+    summary = run(tmp_path, inputs)
+    config_path = tmp_path / "drafter" / "config.json"
+    config = json.loads(config_path.read_text())
+    written = config["eyrie"]["simulated_acceptance"]
+    assert written["source"] == "training samples" and written["eval_samples"] == 2 and written["k"] == [1, 2, 3]
+    assert read_simulated_acceptance(tmp_path / "drafter") == written == summary["simulated_acceptance"]
+    assert [simulated_length(written, k) for k in (1, 2, 3, 4)] == [*written["length"], None]
+    assert config["eyrie"]["train"]["eval_fraction"] == 0.05 and "metrics" in config["eyrie"]  # every earlier key stays
+    # A drafter trained before the simulation existed: no summary, no error.
+    del config["eyrie"]["simulated_acceptance"]
+    config_path.write_text(json.dumps(config))
+    assert read_simulated_acceptance(tmp_path / "drafter") is None and simulated_length(None, 2) is None
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (lambda s: s.pop("length"), "missing length"),
+        (lambda s: s.update(k=[1, 3, 4]), "k is \\[1, 3, 4\\]"),
+        (lambda s: s.update(length=[1.5, 2.0]), "length has 2 entries, k has 3"),
+        (lambda s: s.update(per_step_accuracy=[0.5, "high", 0.1]), "per_step_accuracy is"),
+        (lambda s: s.update(length=[2.5, 2.6, 2.7]), "length\\[0\\] is 2.5, outside \\[1, 2\\]"),
+        (lambda s: s.update(eval_samples=-1), "eval_samples is -1"),
+        (lambda s: s.clear() or s.update(k="all"), "k is 'all'"),
+    ],
+)
+def test_malformed_simulated_acceptance_names_the_file(tmp_path, tamper, message):
+    from eyrie.drafter.checkpoint import read_simulated_acceptance
+
+    directory = tmp_path / "drafter"
+    directory.mkdir()
+    summary = {"k": [1, 2, 3], "length": [1.5, 1.7, 1.8], "per_step_accuracy": [0.5, 0.4, 0.5], "eval_samples": 4, "source": "held-out cache samples"}
+    tamper(summary)
+    (directory / "config.json").write_text(json.dumps({"eyrie": {"simulated_acceptance": summary}}))
+    with pytest.raises(CheckpointError, match=f"{directory / 'config.json'}: eyrie.simulated_acceptance is malformed: .*{message}"):
+        read_simulated_acceptance(directory)
+    (directory / "config.json").write_text(json.dumps({"eyrie": {"simulated_acceptance": [1.8]}}))
+    with pytest.raises(CheckpointError, match="config.json: eyrie.simulated_acceptance is list, expected an object"):
+        read_simulated_acceptance(directory)
+
+
+def test_the_simulation_leaves_training_unchanged(tmp_path, monkeypatch):
+    """The epoch-end simulation touches no weight, optimizer state or random stream: a run without it (stubbed out)
+    writes the same bytes. Held out samples change what trains, so eval_fraction is part of the run identity."""
+    import eyrie.training.train as train_module
+    from eyrie.training.acceptance import acceptance_summary
+    from eyrie.training.state import run_identity
+
+    V = 120
+    inputs = tiny_setup(tmp_path, samples=random_samples(24, [10 + k for k in range(24)], V, seed=4), V=V)
+    train = {"epochs": 2, "batch_tokens": 80, "learning_rate": 3e-3}
+    run(tmp_path, inputs, "simulated", train={**train, "eval_fraction": 0})
+    monkeypatch.setattr(train_module, "simulate_acceptance",
+                        lambda *a, steps, **kw: acceptance_summary([[0] * steps] * 4, source="training samples", samples=0))
+    run(tmp_path, inputs, "stubbed", train={**train, "eval_fraction": 0})
+    assert (tmp_path / "simulated" / "model.safetensors").read_bytes() == (tmp_path / "stubbed" / "model.safetensors").read_bytes()
+    monkeypatch.undo()
+    held = run(tmp_path, inputs, "held", train=train)  # the default 0.05 of 24 samples holds some out: other batches, other weights
+    assert held["samples"] < 24 and held["simulated_acceptance"]["source"] == "held-out cache samples"
+
+    d2t = torch.zeros(4, dtype=torch.int64)
+    identity = [run_identity([{"ids": ["a"]}], d2t, {}, {"epochs": 1, "eval_fraction": f}, TEMPLATE, FINGERPRINT) for f in (0.0, 0.05)]
+    assert identity[0] != identity[1]
+
+
+def test_two_ranks_simulate_the_same_acceptance_on_held_out_samples(tmp_path):
+    """Held-out batches are dealt to ranks whole and the counts all-reduced: two ranks give one rank's figures."""
+    V = 96
+    inputs = tiny_setup(tmp_path, samples=random_samples(24, [12 + (k * 5) % 20 for k in range(24)], V, seed=8), V=V)
+    train = {"epochs": 1, "batch_tokens": 64, "learning_rate": 3e-3, "attention": "eager", "eval_fraction": 0.25}
+    one = run(tmp_path, inputs, "one", train=train)
+    run_two_ranks(tmp_path, inputs, "two", train)
+    evaluation = one["simulated_acceptance"]
+    assert evaluation["source"] == "held-out cache samples" and evaluation["eval_samples"] >= 3
+    config_two = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert without_seconds(config_two["eyrie"]["simulated_acceptance"]) == without_seconds(evaluation)

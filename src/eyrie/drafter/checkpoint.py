@@ -3,6 +3,11 @@
 config.json (DrafterShape.sglang_config plus eyrie's block), model.safetensors (exactly the tensors
 SGLang loads: no embeddings, d2t as offsets, t2d as a mask) and training_log.json. Every key and
 shape is checked before writing and after reading: SGLang skips unknown names silently.
+
+config.json's ``eyrie.simulated_acceptance`` is training's prediction of the served chain acceptance
+(eyrie.training.acceptance): for each chain length k = 1..ttt_steps the expected acceptance length,
+bonus token counted, simulated on held-out cache samples. The benchmark reads it here
+(read_simulated_acceptance, simulated_length) to compare with what it measures.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import torch
 from eyrie.core.atomic import write_directory_atomically, write_json_atomically, write_safetensors_atomically
 from eyrie.core.errors import EyrieError
 from eyrie.drafter.model import ARCHITECTURE, DrafterShape, Eagle3Drafter
+
+SIMULATED_ACCEPTANCE = "simulated_acceptance"  # the key under config.json's eyrie block
+_ACCEPTANCE_LISTS = ("length", "per_step_accuracy")  # one entry per k, a number or null (no positions to measure)
+_OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length")
 
 
 class CheckpointError(EyrieError):
@@ -90,3 +99,58 @@ def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor) -> Ea
     model = Eagle3Drafter(shape, target_embeddings.float(), tensors["d2t"], tensors["t2d"])
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True)
     return model.eval()
+
+
+def check_simulated_acceptance(summary, where: str | Path) -> dict:
+    """The summary itself if it is well formed; else CheckpointError naming `where` (the config.json) and every problem."""
+    if not isinstance(summary, dict):
+        raise CheckpointError(f"{where}: eyrie.{SIMULATED_ACCEPTANCE} is {type(summary).__name__}, expected an object")
+    problems = [f"missing {key}" for key in ("k", *_ACCEPTANCE_LISTS, "eval_samples", "source") if key not in summary]
+    ks = summary.get("k")
+    if "k" in summary and (not isinstance(ks, list) or ks != list(range(1, len(ks) + 1)) or not ks or any(isinstance(k, bool) for k in ks)):
+        problems.append(f"k is {ks!r}, expected the chain lengths [1, 2, ..., ttt_steps]")
+        ks = None
+    for key in (k for k in (*_ACCEPTANCE_LISTS, *_OPTIONAL_ACCEPTANCE_LISTS) if k in summary):
+        values = summary[key]
+        if not isinstance(values, list) or any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))) for v in values):
+            problems.append(f"{key} is {values!r}, expected a list of numbers (or null)")
+            continue
+        if isinstance(ks, list) and len(values) != len(ks):
+            problems.append(f"{key} has {len(values)} entries, k has {len(ks)}")
+            continue
+        for i, v in enumerate(values):
+            low, high = (1.0, i + 2.0) if key.endswith("length") else (0.0, 1.0)  # a chain of k drafts accepts 1..k+1 tokens
+            if v is not None and not low - 1e-9 <= v <= high + 1e-9:
+                problems.append(f"{key}[{i}] is {v}, outside [{low:g}, {high:g}]")
+    samples = summary.get("eval_samples")
+    if "eval_samples" in summary and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 0):
+        problems.append(f"eval_samples is {samples!r}, expected a count")
+    if "source" in summary and not isinstance(summary["source"], str):
+        problems.append(f"source is {summary['source']!r}, expected a string")
+    if problems:
+        raise CheckpointError(f"{where}: eyrie.{SIMULATED_ACCEPTANCE} is malformed: " + "; ".join(problems))
+    return summary
+
+
+def read_simulated_acceptance(drafter_dir: str | Path) -> dict | None:
+    """config.json's eyrie.simulated_acceptance, checked; None for a drafter trained before training wrote it."""
+    config_path = Path(drafter_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CheckpointError(f"{config_path}: cannot read the drafter's config ({exc})") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{config_path}: not JSON ({exc})") from None
+    own = config.get("eyrie") if isinstance(config, dict) else None
+    if not isinstance(own, dict) or SIMULATED_ACCEPTANCE not in own:
+        return None
+    return check_simulated_acceptance(own[SIMULATED_ACCEPTANCE], config_path)
+
+
+def simulated_length(summary: dict | None, k: int) -> float | None:
+    """Training's expected acceptance length (bonus token counted) for a chain of k drafts; None without a summary,
+    for k beyond the trained TTT steps, or where no positions were measured."""
+    if summary is None or k not in summary["k"]:
+        return None
+    value = summary["length"][summary["k"].index(k)]
+    return None if value is None else float(value)

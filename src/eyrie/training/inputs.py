@@ -7,7 +7,7 @@ stops before it writes anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from eyrie.hidden.fp8 import FP8_NAME
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.target.head import target_text_config
 from eyrie.training.errors import TrainingInputError
+from eyrie.training.holdout import MIN_CACHE_SAMPLES, held_out_indices, held_out_note, spread_batches
 
 Sample = tuple[int, int, int]  # (cache shard, first token, length)
 
@@ -79,6 +80,20 @@ class HiddenCache:
                 out.append((s, a, n))
         return out, truncated, skipped
 
+    def sample_ids(self, samples: list[Sample]) -> list[str]:
+        """The manifest id of each sample (the manifest's ``ids`` name the samples in offsets order)."""
+        by_start = {}
+        for s, (path, manifest, offsets) in enumerate(zip(self.paths, self.manifests, self.offsets)):
+            ids = manifest.get("ids")
+            if not isinstance(ids, list) or len(ids) != offsets.numel() - 1:
+                raise TrainingInputError(
+                    f"{path}: the manifest's ids do not name its {offsets.numel() - 1} samples, so no held-out samples can be chosen; "
+                    "rebuild the cache, or set train.eval_fraction: 0"
+                )
+            for k, sample_id in enumerate(ids):  # ascending: an empty sample's start is the next one's, which wins
+                by_start[(s, int(offsets[k]))] = str(sample_id)
+        return [by_start[(s, a)] for s, a, _ in samples]
+
     def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized), input_ids, loss_mask [B, L], lengths [B]."""
         B, L = len(refs), max(n for _, _, n in refs)
@@ -118,6 +133,9 @@ class TrainingInputs:
     batches: list[list[Sample]]  # one optimizer step each, longest first; each epoch shuffles their order
     truncated: int  # samples cut to batch_tokens
     skipped: int  # samples with nothing to train on
+    held_out: list[Sample] = field(default_factory=list)  # kept out of training (train.eval_fraction, eyrie.training.holdout)
+    eval_batches: list[list[Sample]] = field(default_factory=list)  # what the simulated acceptance runs on: held_out, else a few training batches
+    eval_note: str = ""  # the log line saying which, and why
 
 
 def read_inputs(
@@ -129,8 +147,9 @@ def read_inputs(
     batch_tokens: int,
     template_sha256: str,
     target_fingerprint: str,
+    eval_fraction: float = 0.0,
 ) -> TrainingInputs:
-    """Read the cache, the draft vocabulary and the target's config, run every guard, and plan the batches."""
+    """Read the cache, the draft vocabulary and the target's config, run every guard, hold out eval_fraction of the samples, and plan the batches."""
     ttt_steps = int(drafter_cfg["ttt_steps"])
     if ttt_steps < 1:
         raise TrainingInputError(f"drafter.ttt_steps must be at least 1, got {ttt_steps}")
@@ -150,8 +169,21 @@ def read_inputs(
         raise TrainingInputError(
             f"no trainable samples in {len(cache.paths)} cache shard(s) ({skipped} too short or without assistant tokens after position 2)"
         )
-    batches = [[samples[k] for k in b] for b in batches_by_tokens([n for _, _, n in samples], batch_tokens)]
-    return TrainingInputs(cache, target_config, d2t, t2d, vocab_manifest, shape, samples, batches, truncated, skipped)
+    cache_samples = len(samples)
+    holds_out = eval_fraction > 0 and cache_samples >= MIN_CACHE_SAMPLES  # a tiny cache's samples all train (and need no ids)
+    held_out_at = set(held_out_indices(cache.sample_ids(samples), eval_fraction)) if holds_out else set()
+    held_out = [sample for k, sample in enumerate(samples) if k in held_out_at]
+    samples = [sample for k, sample in enumerate(samples) if k not in held_out_at]
+    if not samples:
+        raise TrainingInputError(f"train.eval_fraction {eval_fraction} holds out all {cache_samples} trainable samples; lower it")
+    batches = _plan(samples, batch_tokens)
+    eval_batches = _plan(held_out, batch_tokens) if held_out else spread_batches(batches)
+    return TrainingInputs(cache, target_config, d2t, t2d, vocab_manifest, shape, samples, batches, truncated, skipped,
+                          held_out, eval_batches, held_out_note(eval_fraction, cache_samples, len(held_out)))
+
+
+def _plan(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
+    return [[samples[k] for k in b] for b in batches_by_tokens([n for _, _, n in samples], batch_tokens)]
 
 
 def _check_inputs(*, cache: HiddenCache, target_config, d2t, t2d, vocab_manifest: dict, vocab_path: str, drafter_cfg: dict, template_sha256: str, target_fingerprint: str) -> list[int]:

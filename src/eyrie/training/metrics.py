@@ -1,6 +1,8 @@
 """The training log: each step's figures summed over a logging window, the log entries, the final metrics.
 
-A window is a plain dict so that it travels in the resume state (state.json) unchanged.
+A window is a plain dict so that it travels in the resume state (state.json) unchanged. An entry
+written at or after an epoch's end also carries ``eval``: that epoch's simulated acceptance records
+(eyrie.training.acceptance), one per epoch ended since the previous entry, each naming its step.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +33,7 @@ class RunRecord:
     tokens: int
     seconds: float
     window: dict  # the open logging window (eyrie.training.metrics)
+    pending_eval: list[dict] = field(default_factory=list)  # epoch-end simulated acceptances awaiting the next log entry
 
     @classmethod
     def start(cls, ttt_steps: int) -> "RunRecord":
@@ -40,7 +41,8 @@ class RunRecord:
 
 
 def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str) -> str:
-    """Identity of a training run: what must match for a saved state to be resumed."""
+    """Identity of a training run: what must match for a saved state to be resumed (every train setting but log_every:
+    eval_fraction too, since it decides which samples train)."""
     digest = hashlib.sha256()
     for manifest in manifests:
         digest.update(json.dumps({k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token")}, sort_keys=True).encode())
@@ -120,4 +122,4 @@ def load_state(state_dir: Path, run_id: str, model, optimizer, say: Callable[[st
         states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
-    return RunRecord(meta["step"], meta["log"], meta["tokens"], meta["seconds"], meta["window"])
+    return RunRecord(meta["step"], meta["log"], meta["tokens"], meta["seconds"], meta["window"], meta.get("pending_eval", []))

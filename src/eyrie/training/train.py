@@ -4,7 +4,9 @@ train_drafter runs one job in phases, each a function below, top to bottom: read
 inputs (eyrie.training.inputs), settle the run (ranks, device, precision, attention, steps), build
 the drafter, its optimizer and the TTT objective (eyrie.training.objective), resume, the steps, and
 write the checkpoint (eyrie.drafter.checkpoint). The TTT alignment is written down in
-eyrie.training.objective.
+eyrie.training.objective. At each epoch's end (and the run's) the drafter's simulated acceptance
+length on held-out cache samples (eyrie.training.holdout, eyrie.training.acceptance) goes into the
+training log; the last one into config.json's eyrie.simulated_acceptance.
 
 State for resuming lives in ``state_dir`` (eyrie.training.state: safetensors for tensors, JSON for
 the rest, each written then renamed); the declared output directory is written once, at the end,
@@ -25,11 +27,13 @@ import torch
 
 from eyrie.core.errors import EyrieError
 from eyrie.core.schema import with_defaults
-from eyrie.drafter.checkpoint import checkpoint_tensors, write_checkpoint
+from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.target.head import TargetHeadError, load_target_head
+from eyrie.training.acceptance import acceptance_line, simulate_acceptance
 from eyrie.training.distributed import DistributedContext, data_parallel, distributed_context, rank_share
 from eyrie.training.errors import TrainingInputError
+from eyrie.training.holdout import HELD_OUT_SOURCE, TRAINING_SOURCE
 from eyrie.training.inputs import TrainingInputs, read_inputs
 from eyrie.training.metrics import add_step, final_metrics, log_entry, log_line, new_window
 from eyrie.training.objective import TTTObjective, train_step
@@ -106,6 +110,7 @@ def train_drafter(
     inputs = read_inputs(
         hidden_paths=hidden_paths, vocab_path=vocab_path, target_dir=target_dir, drafter_cfg=drafter_cfg,
         batch_tokens=int(train_cfg["batch_tokens"]), template_sha256=template_sha256, target_fingerprint=target_fingerprint,
+        eval_fraction=float(train_cfg["eval_fraction"]),
     )
     run = _settle_run(inputs, drafter_cfg, train_cfg, template_sha256, target_fingerprint)
     say = _printer(progress and run.ranks.rank == 0)
@@ -118,12 +123,14 @@ def train_drafter(
     if run.ranks.world > 1:  # after resuming: DDP starts every rank from rank 0's weights
         trainer.objective = data_parallel(trainer.objective, run.ranks.device)
     say(_plan_line(run, trainer))
+    say(inputs.eval_note)
 
     def save() -> None:
         save_state(state_path, run_id, record, trainer.model, trainer.optimizer)
 
     compile_fallback = _train_steps(run, trainer, record, save, on_step, say, save_every_steps=save_every_steps, save_every_seconds=save_every_seconds)
-    summary = _write_output(run, trainer, record, resumed_from, compile_fallback, out_dir, say)
+    acceptance = _final_acceptance(run, trainer, record, say)
+    summary = _write_output(run, trainer, record, resumed_from, compile_fallback, acceptance, out_dir, say)
 
     # DDP's reducer holds the gloo group: freed with it, the group's destructor joins its worker threads
     # while holding the GIL that a worker needs to free its last tensors, and the rank hangs at exit
@@ -247,14 +254,22 @@ def _train_steps(
         record.seconds += elapsed
         add_step(record.window, result, elapsed)
 
+        epoch_end = done % run.steps_per_epoch == 0 or done == run.total_steps
+        # Outside the step's time; every rank takes part (each simulates whole batches, the counts are all-reduced).
+        evaluation = _simulate(run, trainer, done) if epoch_end else None
+        if evaluation is not None:
+            record.pending_eval.append(evaluation)
         if done % int(cfg["log_every"]) == 0 or done == run.total_steps:
             entry = log_entry(record.window, done, run.steps_per_epoch, lr, run.ttt_steps)
             if compiled is not None:  # False once compiling failed and the steps run eagerly
                 entry["compiled"] = compiled.active
+            if record.pending_eval:  # the epochs that ended since the last entry (usually this step's one)
+                entry["eval"], record.pending_eval = record.pending_eval, []
             record.log.append(entry)
             say(log_line(entry, run.ttt_steps))
             record.window = new_window(run.ttt_steps)
-        epoch_end = done % run.steps_per_epoch == 0 or done == run.total_steps
+        if evaluation is not None:
+            say(acceptance_line(evaluation))
         if ranks.rank == 0 and (epoch_end or done % save_every_steps == 0 or time.perf_counter() - last_save >= save_every_seconds):
             save()
             last_save = time.perf_counter()
@@ -263,8 +278,30 @@ def _train_steps(
     return compile_fallback
 
 
-def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from: int, compile_fallback: dict | None, out_dir: str,
-                  say: Callable[[str], None]) -> dict:
+def _simulate(run: _Run, trainer: _Trainer, step: int) -> dict:
+    """The drafter's simulated acceptance after `step` (eyrie.training.acceptance), as a training-log eval record."""
+    inputs = run.inputs
+    result = simulate_acceptance(
+        trainer.model, inputs.cache, inputs.eval_batches, rank=run.ranks.rank, world=run.ranks.world, device=run.ranks.device,
+        dtype=run.frozen_dtype, source=HELD_OUT_SOURCE if inputs.held_out else TRAINING_SOURCE,
+        samples=sum(len(b) for b in inputs.eval_batches), target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
+        t2d=trainer.t2d, steps=run.ttt_steps, attention=run.attention, use_bf16=run.use_bf16,
+    )
+    return {"epoch": step / run.steps_per_epoch, "step": step, **result}
+
+
+def _final_acceptance(run: _Run, trainer: _Trainer, record: RunRecord, say: Callable[[str], None]) -> dict:
+    """The simulated acceptance of the final weights: the last step's eval record (simulated again if a resumed record lacks it)."""
+    evaluations = [e for entry in record.log for e in entry.get("eval", [])] + record.pending_eval
+    if evaluations and evaluations[-1]["step"] == run.total_steps:
+        return evaluations[-1]
+    evaluation = _simulate(run, trainer, run.total_steps)
+    say(acceptance_line(evaluation))
+    return evaluation
+
+
+def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from: int, compile_fallback: dict | None, acceptance: dict,
+                  out_dir: str, say: Callable[[str], None]) -> dict:
     """The run's summary; rank 0 also writes the drafter directory (SGLang's config with eyrie's provenance, the weights, the log)."""
     metrics = final_metrics(record.log, run.steps_per_epoch, run.ttt_steps)
     summary = {
@@ -281,6 +318,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "final_loss": metrics.get("loss"),
         "draft_vocab_size": run.inputs.shape.draft_vocab_size,
         "ttt_steps": run.ttt_steps,
+        SIMULATED_ACCEPTANCE: acceptance,
     }
     if trainer.compiled is not None:
         summary["compile"] = {"compiled": trainer.compiled.active, "fallback": compile_fallback}
@@ -296,6 +334,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "train": run.train_cfg,
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
         "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile") if k in summary}},
+        SIMULATED_ACCEPTANCE: check_simulated_acceptance(acceptance, Path(out_dir) / "config.json"),
     }
     write_checkpoint(out_dir, config, tensors, record.log)
     say(f"train: wrote {out_dir} ({run.total_steps} steps, {record.tokens} tokens, {summary['tokens_per_second']:.0f} tok/s)")
