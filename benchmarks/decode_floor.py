@@ -57,7 +57,8 @@ class FloorDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         step = torch.compile(self._step, dynamic=False, mode=COMPILE_MODE if device.type == "cuda" else None) if compile else self._step
         self.failures: list[str] = []
-        self.replay = Replay(step, graphs, self.failures)
+        with torch.inference_mode():  # capture and compile without autograd, as the decode runs
+            self.replay = Replay(step, graphs, self.failures)
 
     @staticmethod
     def _rotate(x):
