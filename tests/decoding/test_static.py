@@ -251,6 +251,12 @@ def test_compiled_steps_decode_exactly_like_eager_steps():
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
 
 
+def test_compile_auto_fuses_on_cuda_only():
+    llama = tiny_model("llama")
+    assert open_decoder(llama, "auto", capacity=32, compile="auto")[1] == "static"  # a CPU target: nothing to fuse for
+    assert open_decoder(llama, "auto", capacity=32, compile=True)[1] == "static-compiled"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_compiled_cuda_graph_replays_equal_eager_runs():
     model = tiny_model("llama", vocab_size=5, initializer_range=0.2).cuda()

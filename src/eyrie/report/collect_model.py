@@ -327,9 +327,42 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
             for p in per_prompt
         ],
     }
+    # The n-gram baseline: absent from JSONs written before it existed, and null when bench.ngram is false.
+    ngram = _ngram_figures(data["ngram"]) if prompts and isinstance(data.get("ngram"), dict) else None
+    row["ngram"] = ngram
+    row["speedup_over_ngram"] = number(data.get("speedup_over_ngram")) if ngram else None
+    row["slower_than_ngram"] = row["speedup_over_ngram"] is not None and row["speedup_over_ngram"] < 1
+    by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
+    for p in row["per_prompt"]:
+        p["ngram"] = by_id.get(str(p["id"]))
     if row["error"]:
         warn(warnings, "bench", f"{name}: the benchmark reported an error: {row['error']}")
     if prompts and row["lossless"] is False:
         where = ", ".join(f"{d['id']} at new token {d['at']}" for d in divergences[:5]) or "no per-prompt detail"
         warn(warnings, "bench", f"{name}: speculative output differs from plain greedy on {len(divergences)} of {row['checked']} prompts ({where}); speculative decoding must be lossless")
+    if ngram and ngram["lossless"] is False:
+        where = ", ".join(f"{d['id']} at new token {d['at']}" for d in ngram["divergences"][:5]) or "no per-prompt detail"
+        warn(warnings, "bench", f"{name}: n-gram output differs from plain greedy on {len(ngram['divergences'])} of {ngram['checked']} prompts ({where}); speculative decoding must be lossless")
     return row
+
+
+def _ngram_figures(data: dict) -> dict[str, Any]:
+    """The n-gram baseline's block of a benchmark JSON, as the drafter's figures are read."""
+    per_prompt = [p for p in data.get("per_prompt") or [] if isinstance(p, dict)]
+    speedup = number(data.get("speedup"))
+    return {
+        "max_ngram": data.get("max_ngram"),
+        "min_ngram": data.get("min_ngram"),
+        "mean_acceptance_length": number(data.get("mean_acceptance_length")),
+        "acceptance_rate_per_position": [number(r) for r in data.get("acceptance_rate_per_position") or []],
+        "rounds": data.get("rounds"),
+        "new_tokens": data.get("new_tokens"),
+        "tokens_per_s": number(data.get("tokens_per_s")),
+        "speedup": speedup,
+        "slower": speedup is not None and speedup < 1,
+        "lossless": data.get("lossless"),
+        "identical": sum(1 for p in per_prompt if p.get("identical")),
+        "checked": len(per_prompt),
+        "divergences": [{"id": str(p.get("id")), "at": p.get("first_divergence")} for p in per_prompt if not p.get("identical")],
+        "per_prompt": [{"id": str(p.get("id")), "acceptance_length_mean": number(p.get("acceptance_length_mean")), "tokens_per_s": number(p.get("tokens_per_s"))} for p in per_prompt],
+    }
