@@ -239,3 +239,41 @@ def test_an_mtbench_line_that_is_not_json_is_named(tmp_path):
     path = mtbench_file(tmp_path / "question.jsonl", ['{"question_id": 81,'])
     with pytest.raises(BadRecordError, match="question.jsonl: line 1: not JSON"):
         load_benchmark_prompts("mtbench", path)
+
+
+# --------------------------------------------------------------------------- the parity gate
+
+
+def write_drafter_config(directory, summary) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eyrie": {"simulated_acceptance": summary}}))
+
+
+SUMMARY = {
+    "k": [1, 2, 3], "length": [1.8, 2.4, 2.9], "per_step_accuracy": [0.8, 0.75, 0.7],
+    "conditional_length": [1.8, 2.3, 2.6], "conditional_accuracy": [0.8, 0.6, 0.5],
+    "eval_samples": 12, "source": "held-out cache samples",
+}
+
+
+def test_parity_compares_with_the_conditional_chain_and_fails_a_gap_with_the_usual_causes(tmp_path):
+    from eyrie.bench.parity import parity
+
+    write_drafter_config(tmp_path / "drafter", SUMMARY)
+    close = parity(tmp_path / "drafter", 2.1, 2, 0.15, gated=True)
+    assert close["simulated"] == 2.3 and close["gap"] == pytest.approx(1 - 2.1 / 2.3) and close["error"] is None
+    far = parity(tmp_path / "drafter", 1.5, 2, 0.15, gated=True)
+    assert far["gap"] == pytest.approx(1 - 1.5 / 2.3)
+    assert "35% below the 2.300 training predicted on 12 held-out cache samples" in far["error"] and "d2t" in far["error"]
+    assert parity(tmp_path / "drafter", 1.5, 2, 0.15, gated=False)["error"] is None  # another distribution: recorded only
+    assert parity(tmp_path / "drafter", 1.5, 2, None, gated=True)["error"] is None  # max_parity_gap null: recorded only
+    assert parity(tmp_path / "drafter", 1.5, 5, 0.15, gated=True)["simulated"] is None  # k beyond the trained steps
+
+
+def test_parity_needs_a_recorded_prediction(tmp_path):
+    from eyrie.bench.parity import parity
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"eyrie": {}}))
+    assert parity(tmp_path / "old", 1.2, 3, 0.15, gated=True)["simulated"] is None  # trained before training recorded it
+    assert parity(None, 1.2, 3, 0.15, gated=True)["simulated"] is None  # an in-memory drafter

@@ -25,6 +25,7 @@ from pathlib import Path
 from eyrie.bench.divergence import first_divergence
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
+from eyrie.bench.parity import parity
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
 from eyrie.core.schema import with_defaults
@@ -36,6 +37,10 @@ class BenchmarkError(EyrieError):
 
 class DrafterNotEngagedError(BenchmarkError):
     """The measured mean acceptance length is below bench.min_acceptance_length."""
+
+
+class ParityGapError(BenchmarkError):
+    """The measured acceptance length is further below training's prediction than bench.max_parity_gap."""
 
 
 NOT_ENGAGED_CAUSES = (
@@ -327,6 +332,7 @@ def run_benchmark(
         "template_sha256": template_sha256,
         "error": None,
         "ngram": ngram,
+        "parity": None,
         "per_prompt": rows,
     }
     for label, decoded in (("speculative", rows), ("n-gram", ngram_rows)):
@@ -337,14 +343,19 @@ def run_benchmark(
                 f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
             )
     mean = result["mean_acceptance_length"]
+    drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
+    result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=benchmark_name not in WHEEL_BENCHMARKS)
+    failure = None
     if mean is None or mean < cfg["min_acceptance_length"]:
-        result["error"] = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path)
+        result["error"], failure = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path), DrafterNotEngagedError
+    elif result["parity"]["error"]:
+        result["error"], failure = f"{benchmark_name}: {result['parity']['error']}", ParityGapError
     write_json_atomically(out_path, result)  # first, so that a failing benchmark loses nothing it measured
-    if result["error"]:
+    if failure is not None:
         # Snakemake deletes a failed job's declared output: keep the measurements beside it.
         kept = Path(out_path).with_name(Path(out_path).stem + ".failed.json")
         write_json_atomically(kept, result)
-        raise DrafterNotEngagedError(f"{result['error']} (measurements kept in {kept})")
+        raise failure(f"{result['error']} (measurements kept in {kept})")
     return result
 
 
