@@ -332,6 +332,7 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
     row["ngram"] = ngram
     row["speedup_over_ngram"] = number(data.get("speedup_over_ngram")) if ngram else None
     row["slower_than_ngram"] = row["speedup_over_ngram"] is not None and row["speedup_over_ngram"] < 1
+    row["parity"] = _parity_figures(data.get("parity"))
     by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
     for p in row["per_prompt"]:
         p["ngram"] = by_id.get(str(p["id"]))
@@ -344,6 +345,13 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
         where = ", ".join(f"{d['id']} at new token {d['at']}" for d in ngram["divergences"][:5]) or "no per-prompt detail"
         warn(warnings, "bench", f"{name}: n-gram output differs from plain greedy on {len(ngram['divergences'])} of {ngram['checked']} prompts ({where}); speculative decoding must be lossless")
     return row
+
+
+def _parity_figures(data) -> dict[str, Any] | None:
+    """Training's predicted acceptance for the benchmark's k beside the measured one; None for JSONs without it."""
+    if not isinstance(data, dict) or number(data.get("simulated")) is None:
+        return None
+    return {key: data.get(key) for key in ("k", "simulated", "measured", "gap", "max_gap", "gated", "source", "eval_samples")}
 
 
 def _ngram_figures(data: dict) -> dict[str, Any]:
