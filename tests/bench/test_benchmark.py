@@ -261,13 +261,29 @@ def test_parity_compares_with_the_conditional_chain_and_fails_a_gap_with_the_usu
 
     write_drafter_config(tmp_path / "drafter", SUMMARY)
     close = parity(tmp_path / "drafter", 2.1, 2, 0.15, gated=True)
-    assert close["simulated"] == 2.3 and close["gap"] == pytest.approx(1 - 2.1 / 2.3) and close["error"] is None
+    assert close["simulated"] == 2.3 and close["gap"] == pytest.approx(1 - 2.1 / 2.3) and close["judged"] and close["error"] is None
     far = parity(tmp_path / "drafter", 1.5, 2, 0.15, gated=True)
     assert far["gap"] == pytest.approx(1 - 1.5 / 2.3)
     assert "35% below the 2.300 training predicted on 12 held-out cache samples" in far["error"] and "d2t" in far["error"]
-    assert parity(tmp_path / "drafter", 1.5, 2, 0.15, gated=False)["error"] is None  # another distribution: recorded only
-    assert parity(tmp_path / "drafter", 1.5, 2, None, gated=True)["error"] is None  # max_parity_gap null: recorded only
     assert parity(tmp_path / "drafter", 1.5, 5, 0.15, gated=True)["simulated"] is None  # k beyond the trained steps
+
+
+@pytest.mark.parametrize(
+    "summary_change, max_gap, gated, reason",
+    [
+        ({}, 0.15, False, "not from the training datasets"),  # HumanEval, MT-bench
+        ({}, None, True, "max_parity_gap is null"),
+        ({"source": "training samples"}, 0.15, True, "optimistic"),  # the drafter has seen them
+        ({"eval_samples": 2}, 0.15, True, "held out 2 cache samples, fewer than 8"),
+    ],
+)
+def test_parity_records_without_judging_what_it_cannot_trust(tmp_path, summary_change, max_gap, gated, reason):
+    from eyrie.bench.parity import parity
+
+    write_drafter_config(tmp_path / "drafter", {**SUMMARY, **summary_change})
+    block = parity(tmp_path / "drafter", 1.5, 2, max_gap, gated=gated)
+    assert block["gap"] == pytest.approx(1 - 1.5 / 2.3) and not block["judged"] and block["error"] is None
+    assert reason in block["not_judged_because"]
 
 
 def test_parity_needs_a_recorded_prediction(tmp_path):

@@ -285,7 +285,7 @@ BENCH = {
         "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.4},
                        {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.3}],
         "speedup_over_ngram": 43.5 / 40.1,
-        "parity": {"k": 4, "simulated": 2.6, "measured": 2.37, "gap": 1 - 2.37 / 2.6, "max_gap": 0.15, "gated": True,
+        "parity": {"k": 4, "simulated": 2.6, "measured": 2.37, "gap": 1 - 2.37 / 2.6, "max_gap": 0.15, "judged": True, "not_judged_because": None,
                    "source": "held-out cache samples", "eval_samples": 12, "error": None},
         "ngram": {  # the prompt-lookup baseline beside the drafter
             "method": "prompt lookup", "max_ngram": 3, "min_ngram": 1, "draft_tokens": 4, "mean_acceptance_length": 1.42,

@@ -7,8 +7,10 @@ the acceptance length it expects on held-out cached states (eyrie.training.accep
 the drafter artifact); the benchmark measures it. A measured length more than `max_gap` (a share) below
 the prediction is an error naming the usual causes, as a drafter that is not engaged is.
 
-Only held-out prompts of the training datasets are gated: HumanEval or MT-bench come from other
-distributions, so their gap is recorded, not judged.
+Only a prediction that can be trusted is judged: made on at least MIN_JUDGED_SAMPLES held-out cache
+samples (a prediction on training samples is optimistic by construction: the drafter has seen them), and
+compared on held-out prompts of the training datasets (HumanEval or MT-bench come from other
+distributions). Every other gap is recorded with the reason it is not judged.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyrie.drafter.checkpoint import read_simulated_acceptance
+
+HELD_OUT = "held-out cache samples"  # the source training names for its held-out split
+MIN_JUDGED_SAMPLES = 8  # fewer held-out samples make too noisy a prediction to fail a run on
 
 USUAL_CAUSES = (
     "aux layer ids differ between extraction and decoding (an off-by-one in eagle_aux_hidden_state_layer_ids)",
@@ -27,14 +32,16 @@ USUAL_CAUSES = (
 
 
 def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_gap: float | None, gated: bool) -> dict:
-    """{k, simulated, measured, gap, max_gap, gated, source, eval_samples, error}: gap = 1 - measured / simulated.
+    """{k, simulated, measured, gap, max_gap, judged, not_judged_because, source, eval_samples, error}: gap = 1 - measured / simulated.
+
+    gated: the prompts are held out of the training datasets (the benchmark's own datasets), so a gap can be judged.
 
     The prediction is training's conditional chain length (each step scored only where every earlier step
     was right, as a chain is verified), else its product form. No drafter directory (an in-memory drafter),
     a drafter trained before training recorded it, or k beyond the trained steps: nothing to compare.
     """
-    block = {"k": k, "simulated": None, "measured": measured, "gap": None, "max_gap": max_gap, "gated": gated,
-             "source": None, "eval_samples": None, "error": None}
+    block = {"k": k, "simulated": None, "measured": measured, "gap": None, "max_gap": max_gap, "judged": False,
+             "not_judged_because": "training recorded no prediction for this k", "source": None, "eval_samples": None, "error": None}
     summary = read_simulated_acceptance(drafter_dir) if drafter_dir is not None else None
     if summary is None or k not in summary["k"]:
         return block
@@ -44,7 +51,9 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
     if simulated is None or measured is None:
         return block
     block["gap"] = 1.0 - measured / simulated
-    if gated and max_gap is not None and block["gap"] > max_gap:
+    block["not_judged_because"] = _why_not_judged(summary, max_gap, gated)
+    block["judged"] = block["not_judged_because"] is None
+    if block["judged"] and block["gap"] > max_gap:
         causes = "; ".join(f"({i}) {cause}" for i, cause in enumerate(USUAL_CAUSES, 1))
         block["error"] = (
             f"measured acceptance length {measured:.3f} at k = {k} is {block['gap']:.0%} below the {simulated:.3f} training "
@@ -52,3 +61,15 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
             f"served differently from how it was trained. Usual causes: {causes}"
         )
     return block
+
+
+def _why_not_judged(summary: dict, max_gap: float | None, gated: bool) -> str | None:
+    if max_gap is None:
+        return "bench.max_parity_gap is null"
+    if not gated:
+        return "these prompts are not from the training datasets"
+    if summary.get("source") != HELD_OUT:
+        return "training predicted on its own training samples (no held-out cache samples), which is optimistic"
+    if (summary.get("eval_samples") or 0) < MIN_JUDGED_SAMPLES:
+        return f"training held out {summary.get('eval_samples')} cache samples, fewer than {MIN_JUDGED_SAMPLES}"
+    return None
