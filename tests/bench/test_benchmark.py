@@ -148,6 +148,22 @@ def test_transformers_decoder_is_recorded_with_the_reason(tmp_path, model_dir, d
     assert result["lossless"] is True and result["ngram"]["lossless"] is True
 
 
+def test_timing_in_bfloat16_proves_losslessness_in_float32_on_the_same_prompts(tmp_path, model_dir, target, drafter):
+    from eyrie.target.model import template_fingerprint
+
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter", template_fingerprint(target[1]))  # loaded afresh in each dtype
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "dtype": "bfloat16", "ngram": False},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    assert result["dtype"] == "bfloat16"  # the timing
+    check = result["float32_check"]
+    assert check["dtype"] == "float32" and check["checked"] == 1 and check["different"] == [] and check["lossless"] is True
+    assert result["lossless"] is True  # the verdict is float32's
+    assert result["agreement_in_timing_dtype"]["dtype"] == "bfloat16" and result["agreement_in_timing_dtype"]["checked"] == 1
+
+
 def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):
     result = run_benchmark(
         target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[1:], benchmark_name="local",
@@ -156,6 +172,7 @@ def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):
     )
     assert result["ngram"] is None and result["speedup_over_ngram"] is None
     assert result["prompts"] == 1 and result["lossless"] is True
+    assert result["float32_check"] is None  # timed in float32: the timed run itself is the check
 
 
 def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, drafter):

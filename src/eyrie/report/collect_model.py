@@ -333,6 +333,8 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
     row["speedup_over_ngram"] = number(data.get("speedup_over_ngram")) if ngram else None
     row["slower_than_ngram"] = row["speedup_over_ngram"] is not None and row["speedup_over_ngram"] < 1
     row["parity"] = _parity_figures(data.get("parity"))
+    check = data.get("float32_check")  # present when the run was timed in another dtype than float32
+    row["float32_check"] = {k: check.get(k) for k in ("identical", "checked")} if isinstance(check, dict) else None
     by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
     for p in row["per_prompt"]:
         p["ngram"] = by_id.get(str(p["id"]))
