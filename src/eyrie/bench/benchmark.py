@@ -22,10 +22,10 @@ import platform
 import warnings
 from pathlib import Path
 
-from eyrie.bench.divergence import first_divergence
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
 from eyrie.bench.parity import parity
+from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
 from eyrie.core.schema import with_defaults
@@ -174,7 +174,6 @@ def hardware_description(device) -> str:
 
 
 def prompt_row(prompt_id: str, prompt_ids: list[int], plain, spec) -> dict:
-    divergence = first_divergence(plain.tokens, spec.tokens)
     return {
         "id": prompt_id,
         "prompt_tokens": len(prompt_ids),
@@ -186,31 +185,19 @@ def prompt_row(prompt_id: str, prompt_ids: list[int], plain, spec) -> dict:
         "spec_seconds": spec.seconds,
         "greedy_forwards": plain.forwards,
         "spec_target_forwards": spec.target_forwards,
-        "acceptance_length_mean": sum(spec.acceptance_lengths) / spec.rounds if spec.rounds else None,
-        "acceptance_lengths": spec.acceptance_lengths,
-        "accepted_per_position": spec.accepted_per_position,
-        "rounds": spec.rounds,
-        "identical": divergence is None,
-        "first_divergence": divergence,
+        **round_fields(plain, spec),
     }
 
 
 def summarise(rows: list[dict], draft_tokens: int) -> dict:
     """Aggregates over all prompts: token-weighted, not a mean of per-prompt means."""
-    rounds = sum(r["rounds"] for r in rows)
-    # Every verify round emits its accepted drafts plus the bonus; the prefill's token is not a round's.
-    emitted = sum(sum(r["acceptance_lengths"]) for r in rows)
-    accepted = [sum(r["accepted_per_position"][j] for r in rows) for j in range(draft_tokens)]
     greedy_tps = sum(r["new_tokens"] for r in rows) / sum(r["greedy_seconds"] for r in rows)
     spec_tps = sum(r["spec_new_tokens"] for r in rows) / sum(r["spec_seconds"] for r in rows)
     return {
-        "mean_acceptance_length": emitted / rounds if rounds else None,
-        "acceptance_rate_per_position": [a / rounds if rounds else None for a in accepted],
-        "rounds": rounds,
+        **acceptance_summary(rows, draft_tokens),
         "greedy_tokens_per_s": greedy_tps,
         "spec_tokens_per_s": spec_tps,
         "speedup": spec_tps / greedy_tps,
-        "lossless": all(r["identical"] for r in rows),
         "prompts": len(rows),
         "new_tokens": sum(r["new_tokens"] for r in rows),
     }
