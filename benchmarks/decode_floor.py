@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from eyrie.bench.rounds import first_divergence
 from eyrie.decoding.decode import greedy_decode, speculative_decode
 from eyrie.decoding.graphs import Replay
 from eyrie.decoding.static import COMPILE_MODE, StaticLlama, needed_capacity
@@ -115,10 +116,6 @@ def random_drafter(model, k_vocab: int = 4096):
     t2d[: shape.draft_vocab_size] = True
     drafter = Eagle3Drafter(shape, embed.float().cpu(), d2t, t2d)
     return drafter.to(device=model.device, dtype=model.dtype).eval()
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def run(dtype_name: str, args) -> list[dict]:
