@@ -11,7 +11,9 @@ import torch
 
 from eyrie.decoding import transformers_path as speculative
 from eyrie.decoding.common import DecodeResult, SpecResult
+from eyrie.decoding import static_tree
 from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.tree import tree_speculative_decode
 
 
 @torch.inference_mode()
@@ -28,3 +30,13 @@ def speculative_decode(target, drafter, prompt_ids: list[int], max_new_tokens: i
     if isinstance(target, StaticLlama):
         return target.speculative_decode(drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
     return speculative.speculative_decode(target, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
+
+
+@torch.inference_mode()
+def tree_decode(target, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, steps: int, topk: int, draft_tokens: int) -> SpecResult:
+    """Greedy tree speculative decoding with SGLang's (--speculative-num-steps, --speculative-eagle-topk,
+    --speculative-num-draft-tokens); equals greedy_decode token for token. accepted_per_position has `steps` entries.
+    """
+    if isinstance(target, StaticLlama):
+        return static_tree.tree_decode(target, drafter, prompt_ids, max_new_tokens, stop_ids, steps, topk, draft_tokens)
+    return tree_speculative_decode(target, drafter, prompt_ids, max_new_tokens, stop_ids, steps, topk, draft_tokens)

@@ -340,6 +340,7 @@ class StaticEagle3:
         self.slots = torch.arange(capacity, device=self.device)
         self.capacity = capacity
         self.rounds = {}  # their graphs point at the old buffers
+        self.trees = {}  # eyrie.decoding.static_tree's rounds, by TreeShape: the same
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
         """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,), attending to `span` slots."""

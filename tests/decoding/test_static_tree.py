@@ -1,0 +1,118 @@
+"""Tree rounds on the static cache (one replay per round): the reference tree decoder's tokens, round by round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding.test_static import tiny_drafter, tiny_model
+from decoding.test_tree import SHAPES, check_result, random_drafter, tiny_target
+from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
+from eyrie.decoding.graphs import cuda_graphs_usable
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.tree import tree_speculative_decode
+
+ALL_SHAPES = SHAPES + [(1, 3, 3), (2, 2, 7), (6, 8, 32)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    """These decode token by token: see conftest.one_torch_thread."""
+
+
+@pytest.mark.parametrize("steps, topk, draft_tokens", ALL_SHAPES)
+def test_static_trees_equal_the_reference_round_by_round(steps, topk, draft_tokens):
+    """Same tokens, same accepted lengths per round and per depth as the host-built tree on transformers' cache."""
+    for vocab_size, draft_vocab_size in ((5, None), (300, 100)):
+        if topk > vocab_size:
+            continue  # top-K of a 5-token vocabulary
+        model = tiny_target(vocab_size)
+        drafter = random_drafter(model, draft_vocab_size, scale=0.2)
+        engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+        prompt = torch.randint(0, vocab_size, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+        expected = greedy_decode(model, prompt, 50, set()).tokens
+        reference = tree_speculative_decode(model, drafter, prompt, 50, set(), steps, topk, draft_tokens)
+        static = tree_decode(engine, drafter, prompt, 50, set(), steps, topk, draft_tokens)
+        check_result(static, expected, steps)
+        assert static.acceptance_lengths == reference.acceptance_lengths
+        assert static.accepted_per_position == reference.accepted_per_position
+        if vocab_size == 5 and draft_tokens > 3:
+            assert max(static.acceptance_lengths) >= 3  # deep paths were accepted, so the cache gather ran
+
+
+def test_accepted_paths_leave_the_first_branch():
+    """A shape where the accepted node is often not the first child: the K/V gather moves non-contiguous rows."""
+    model = tiny_target(vocab_size=5)
+    drafter = random_drafter(model, scale=0.2)
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(9)).tolist()
+    reference = tree_speculative_decode(model, drafter, prompt, 60, set(), 4, 3, 10)
+    static = tree_decode(engine, drafter, prompt, 60, set(), 4, 3, 10)
+    assert static.tokens == reference.tokens == greedy_decode(model, prompt, 60, set()).tokens
+    assert static.acceptance_lengths == reference.acceptance_lengths
+    # The chain that drafts each round's top-1 path accepts less: the tree's extra branches were used.
+    chain = speculative_decode(engine, drafter, prompt, 60, set(), draft_tokens=4)
+    assert sum(static.acceptance_lengths) / static.rounds > sum(chain.acceptance_lengths) / chain.rounds
+
+
+def test_topk_1_is_the_static_chain():
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    drafter = tiny_drafter(model)
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    for steps in (1, 3):
+        chain = speculative_decode(engine, drafter, prompt, 40, set(), draft_tokens=steps)
+        tree = tree_decode(engine, drafter, prompt, 40, set(), steps, 1, steps + 1)
+        assert tree.tokens == chain.tokens and tree.acceptance_lengths == chain.acceptance_lengths
+
+
+def test_stops_budget_spans_and_capacity_growth():
+    """Stop tokens and budgets as greedy; a decode longer than the smallest span and a cache that grows mid-run."""
+    model = tiny_target(vocab_size=300)
+    drafter = random_drafter(model, 100, scale=0.2)
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    prompt = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(7)).tolist()
+    answer = greedy_decode(model, prompt, 40, set()).tokens
+    stop = {answer[next(i for i in range(4, len(answer)) if answer[i] not in answer[:i])]}
+    assert tree_decode(engine, drafter, prompt, 30, stop, 5, 4, 8).tokens == greedy_decode(model, prompt, 30, stop).tokens
+    for max_new in (1, 2, 7):
+        assert tree_decode(engine, drafter, prompt, max_new, set(), 5, 4, 8).tokens == answer[:max_new]
+    long_prompt = torch.randint(0, 300, (250,), generator=torch.Generator().manual_seed(8)).tolist()
+    result = tree_decode(engine, drafter, long_prompt, 20, set(), 3, 2, 6)  # grows the cache past 256 slots: two spans
+    assert engine.capacity > 256
+    assert result.tokens == greedy_decode(model, long_prompt, 20, set()).tokens
+
+
+def test_drafter_doubles_are_refused_with_the_reference_named():
+    model = tiny_target(vocab_size=5)
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    with pytest.raises(TypeError, match="tree_speculative_decode"):
+        tree_decode(engine, object(), [1, 2, 3], 5, set(), 2, 2, 4)
+
+
+def test_trees_on_the_default_target_are_lossless(target):
+    """The pipeline's own target, float32: random-drafter trees on the static cache give greedy's tokens."""
+    from eyrie.target.chat_template import render
+
+    model, tokenizer = target
+    drafter = random_drafter(model, draft_vocab_size=4096, seed=0)
+    engine = StaticLlama(model, capacity=256, cuda_graphs=False)
+    text = render(tokenizer, [{"role": "user", "content": "Write a Python function that reverses a string."}], add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stop = {tokenizer.eos_token_id}
+    expected = greedy_decode(model, prompt, 16, stop).tokens
+    check_result(tree_decode(engine, drafter, prompt, 16, stop, 5, 4, 8), expected, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_graphs_usable(torch.device("cuda")), reason="needs CUDA for graph capture")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_tree_rounds_equal_eager_rounds(compile):
+    model = tiny_target(vocab_size=300).cuda()
+    drafter = random_drafter(model.cpu(), 100, scale=0.2).cuda()
+    model = model.cuda()
+    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    eager = tree_decode(StaticLlama(model, capacity=128, cuda_graphs=False), drafter, prompt, 40, set(), 5, 4, 8)
+    graphed_engine = StaticLlama(model, capacity=128, cuda_graphs=True, compile=compile)
+    graphed = tree_decode(graphed_engine, drafter, prompt, 40, set(), 5, 4, 8)
+    assert not graphed_engine.capture_failures, graphed_engine.capture_failures
+    assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
