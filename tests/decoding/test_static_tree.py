@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from decoding.test_static import tiny_drafter, tiny_model
 from decoding.test_tree import SHAPES, check_result, random_drafter, tiny_target
+
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.graphs import cuda_graphs_usable
 from eyrie.decoding.static import StaticLlama

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from eyrie.decoding import static_tree
 from eyrie.decoding import transformers_path as speculative
 from eyrie.decoding.common import DecodeResult, SpecResult
-from eyrie.decoding import static_tree
 from eyrie.decoding.static import StaticLlama
 from eyrie.decoding.tree import tree_speculative_decode
 
