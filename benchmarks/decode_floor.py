@@ -16,7 +16,8 @@ The target is a random-weight model of the default target's shape (SmolLM2-135M:
 Each prints ms/token (median of --repeats runs of --tokens tokens after a --prompt-token prefill) and
 its ratio to the floor; the three must produce the same tokens in float32 (bf16 may drift at near-ties,
 so there agreement up to the first divergence is printed instead). With --drafter-k K the static
-decoders also run speculative rounds with a random drafter and print ms per round.
+decoders also run speculative rounds with a random drafter and print ms per round; --trees S,K,N ... times
+SGLang-style tree rounds the same way (eyrie.decoding.static_tree).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from eyrie.bench.rounds import first_divergence
-from eyrie.decoding.decode import greedy_decode, speculative_decode
+from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.graphs import Replay
 from eyrie.decoding.static import COMPILE_MODE, StaticLlama, needed_capacity
 
@@ -152,6 +153,14 @@ def run(dtype_name: str, args) -> list[dict]:
             row["ms_per_round"] = 1000 * (best.seconds - prefill) / best.rounds
             row["round_in_greedy_steps"] = row["ms_per_round"] / ms
             row["spec_lossless"] = best.tokens == results[0].tokens
+        for steps, topk, draft_tokens in args.trees:  # what one tree round costs, in greedy steps
+            drafter = drafter if args.drafter_k else random_drafter(model)
+            runs = [tree_decode(engine, drafter, prompt, args.tokens, set(), steps, topk, draft_tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+            best = min(runs, key=lambda r: r.seconds)
+            row.setdefault("trees", []).append({"steps": steps, "topk": topk, "draft_tokens": draft_tokens,
+                                                "ms_per_round": 1000 * (best.seconds - prefill) / best.rounds,
+                                                "round_in_greedy_steps": 1000 * (best.seconds - prefill) / best.rounds / ms,
+                                                "lossless": best.tokens == results[0].tokens})
         rows.append(row)
     return rows
 
@@ -163,6 +172,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--drafter-k", type=int, default=4, help="speculative rounds of this chain length with a random drafter (0: none)")
+    parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[],
+                        metavar="S,K,N", help="also time tree rounds of these SGLang (steps, topk, draft tokens), e.g. 5,4,8 8,10,64")
     parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants (CPU smoke test)")
     parser.add_argument("--out", help="write the rows as JSON here")
@@ -176,6 +187,9 @@ def main() -> None:
         print(f"{r['dtype']:9} {r['decoder']:28} {r['ms_per_token']:9.3f} {r['ratio_to_floor']:8.2f} {str(r['first_divergence_from_floor']):>11} "
               f"{r.get('ms_per_round', float('nan')):9.3f} {r.get('round_in_greedy_steps', float('nan')):10.2f}"
               + ("" if not r["capture_failures"] else f"  CAPTURE FAILED: {r['capture_failures'][:1]}"))
+        for t in r.get("trees", []):
+            print(f"{'':9} {'  tree ' + str((t['steps'], t['topk'], t['draft_tokens'])):28} {'':9} {'':8} {'':11} "
+                  f"{t['ms_per_round']:9.3f} {t['round_in_greedy_steps']:10.2f}  lossless {t['lossless']}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class StaticTree:
         self.eye = torch.eye(max(K, N), dtype=torch.bool, device=device)
         self.rows = torch.arange(N, device=device)
         self.depth_range = torch.arange(1, S + 1, device=device)
+        self.root = self.rows == 0
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}
         self.nodes = nodes
@@ -140,10 +141,9 @@ class StaticTree:
         predicted = target.model.lm_head(hidden).argmax(-1)[0]  # (N,)
 
         # Accept: agreed[r] = the target predicted row r after its parent, all the way up.
-        agreed = torch.ones(N, dtype=torch.bool, device=tokens.device)
-        for _ in range(S):
-            agreed = (verify_tokens == predicted.index_select(0, verify_parents)) & agreed.index_select(0, verify_parents)
-            agreed[0] = True
+        agreed = self.root
+        for _ in range(S):  # row 0 is its own parent: `| root` keeps it agreed (no host scalar inside a graph)
+            agreed = ((verify_tokens == predicted.index_select(0, verify_parents)) & agreed.index_select(0, verify_parents)) | self.root
         best = (verify_depths * agreed).argmax()  # the first of the deepest agreeing rows; row 0 when none agrees
         accepted = verify_depths[best].view(1)
         on_path = ancestry[best]
