@@ -144,9 +144,9 @@ class StaticTree:
         agreed = self.root
         for _ in range(S):  # row 0 is its own parent: `| root` keeps it agreed (no host scalar inside a graph)
             agreed = ((verify_tokens == predicted.index_select(0, verify_parents)) & agreed.index_select(0, verify_parents)) | self.root
-        best = (verify_depths * agreed).argmax()  # the first of the deepest agreeing rows; row 0 when none agrees
-        accepted = verify_depths[best].view(1)
-        on_path = ancestry[best]
+        best = (verify_depths * agreed).argmax().view(1)  # the first of the deepest agreeing rows; row 0 when none agrees
+        accepted = verify_depths.index_select(0, best)  # (1,): index_select, as a 0-d index would sync with the host
+        on_path = ancestry.index_select(0, best)[0]
         depth_rows = (on_path[None] & (verify_depths[None] == self.depth_range[:, None])).long().argmax(1)
         path = torch.cat([self.rows[:1], depth_rows])  # (S + 1,): rows of depths 0..S (past `accepted`: padding)
 
