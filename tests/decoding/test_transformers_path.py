@@ -184,7 +184,7 @@ def test_chain_extend_after_drafting_equals_decoding_from_scratch():
         first = chain.draft(4)
         assert len(chain.cache) == 6 + 3 and all(t % 2 == 0 for t in first)  # draft ids map to even target ids
         chain.extend(aux[:, 6:], ids[6:], start=6)
-        full_logits, _ = drafter.decode(drafter.fc(aux), torch.tensor([ids]), torch.arange(9)[None], DraftCache())
+        full_logits, _ = drafter.decode(drafter.project_aux(aux), torch.tensor([ids]), torch.arange(9)[None], DraftCache())
         torch.testing.assert_close(chain.logits[0, -1], full_logits[0, -1], atol=1e-5, rtol=1e-5)
 
 

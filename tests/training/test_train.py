@@ -131,7 +131,8 @@ def run(tmp_path, inputs, name="drafter", drafter=None, train=None, **kw):
     )
 
 
-def tiny_model(V=120, H=32, Vd=None, seed=0):
+def tiny_model(V=120, H=32, Vd=None, seed=0, **norms):
+    """norms: DrafterShape's norm_before_fc / norm_output (drafter.*)."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=64,
@@ -141,7 +142,7 @@ def tiny_model(V=120, H=32, Vd=None, seed=0):
     draft_ids = torch.arange(0, V, V // Vd)[:Vd]
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[draft_ids] = True
-    shape = DrafterShape.from_target(config, Vd, [1, 3, 4])
+    shape = DrafterShape.from_target(config, Vd, [1, 3, 4], **norms)
     model = Eagle3Drafter(shape, torch.randn(V, H), draft_ids - torch.arange(Vd), t2d)
     with torch.no_grad():  # non-trivial norms so that every weight matters
         for p in model.parameters():
@@ -236,9 +237,10 @@ def test_target_distribution_is_renormalised_over_draft_ids_and_chunked():
     assert (arg >= 0).any() and ((arg == -1) & needed).any()  # both cases occur in this draw
 
 
-def test_training_forward_equals_chained_inference_decode():
-    """Step j at position t in training == the j-th chained draft after position t at inference."""
-    model = tiny_model(Vd=40)
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}])
+def test_training_forward_equals_chained_inference_decode(norms):
+    """Step j at position t in training == the j-th chained draft after position t at inference; also with the EAGLE-3.1 norms."""
+    model = tiny_model(Vd=40, **norms)
     steps, lengths = 4, torch.tensor([12, 8])
     B, L = 2, 12
     torch.manual_seed(1)
@@ -250,12 +252,12 @@ def test_training_forward_equals_chained_inference_decode():
             n = int(lengths[b])
             # Step 0 over the whole (unpadded) sample: one causal decode from an empty cache.
             cache = DraftCache()
-            logits0, _ = model.decode(model.fc(aux[b : b + 1, : n - 1]), ids[b : b + 1, 1:n], torch.arange(n - 1)[None], cache)
+            logits0, _ = model.decode(model.project_aux(aux[b : b + 1, : n - 1]), ids[b : b + 1, 1:n], torch.arange(n - 1)[None], cache)
             assert torch.allclose(train_logits[0][b, : n - 1], logits0[0], atol=1e-5)
             # Chains: after prefilling 0..t, feed the drafter's own output and the true tokens.
             for t in range(0, n - 2):
                 cache = DraftCache()
-                logits, out = model.decode(model.fc(aux[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2], torch.arange(t + 1)[None], cache)
+                logits, out = model.decode(model.project_aux(aux[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2], torch.arange(t + 1)[None], cache)
                 hidden = out[:, -1:]
                 for j in range(1, steps):
                     if t + 1 + j >= n:
@@ -784,12 +786,12 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
 # --------------------------------------------------------------------------- train.compile (eyrie.training.compiled_layers)
 
 
-def _train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5):
-    """One train_step on a tiny drafter: (result, gradients, the objective's CompiledLayers)."""
+def _train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5, **norms):
+    """One train_step on a tiny drafter (norms: tiny_model's): (result, gradients, the objective's CompiledLayers)."""
     from eyrie.training.objective import TTTObjective, train_step
     from eyrie.training.optimizer import make_optimizer
 
-    model = tiny_model(Vd=40).train()
+    model = tiny_model(Vd=40, **norms).train()
     g = torch.Generator().manual_seed(seed)
     H, V = 32, 120
     lengths = torch.tensor([L] + [max(3, L - 4)] * (B - 1))  # padded rows too
@@ -1041,9 +1043,12 @@ def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_s
     assert last["k"] == [1, 2, 3] and min(last["per_step_accuracy"]) > 0.9, last["per_step_accuracy"]
     assert last["length"][-1] > 3.6 and last["length"][-1] > first["length"][-1] + 1, (first["length"], last["length"])
     assert last["conditional_length"][-1] > 3.6
+    # train.keep_best (the default): the written drafter is the epoch of the best k=3 length, the later one on ties.
+    best = max(reversed(evaluations), key=lambda e: e["length"][-1])
     written = read_simulated_acceptance(tmp_path / "drafter")
-    assert without_seconds(written) == without_seconds(last) == without_seconds(summary["simulated_acceptance"])
-    assert simulated_length(written, 3) == last["length"][2] and simulated_length(written, 4) is None
+    assert without_seconds(written) == without_seconds(best) == without_seconds(summary["simulated_acceptance"])
+    assert log[-1]["kept"]["epoch"] == best["epoch"] == summary["kept"]["epoch"]
+    assert simulated_length(written, 3) == best["length"][2] and simulated_length(written, 4) is None
 
 
 def test_simulated_acceptance_round_trips_through_config_json_and_old_drafters_read_none(tmp_path):
@@ -1100,7 +1105,7 @@ def test_the_simulation_leaves_training_unchanged(tmp_path, monkeypatch):
 
     V = 120
     inputs = tiny_setup(tmp_path, samples=random_samples(24, [10 + k for k in range(24)], V, seed=4), V=V)
-    train = {"epochs": 2, "batch_tokens": 80, "learning_rate": 3e-3}
+    train = {"epochs": 2, "batch_tokens": 80, "learning_rate": 3e-3, "keep_best": False}  # the last epoch's weights, whatever it simulates
     run(tmp_path, inputs, "simulated", train={**train, "eval_fraction": 0})
     monkeypatch.setattr(train_module, "simulate_acceptance",
                         lambda *a, steps, **kw: acceptance_summary([[0] * steps] * 4, source="training samples", samples=0))

@@ -39,7 +39,7 @@ class Eagle3Chain:
 
     def extend(self, aux_hidden, next_ids, start):
         self.cache.crop(start)  # the chained drafts of the last round sat at positions >= start
-        hidden = self.drafter.fc(aux_hidden.to(self.dtype))  # (1, m, 3H) -> (1, m, H)
+        hidden = self.drafter.project_aux(aux_hidden.to(self.dtype))  # (1, m, 3H) -> (1, m, H)
         logits, out = self._decode(hidden, next_ids, start)
         self.logits, self.out, self.last = logits[:, -1:], out[:, -1:], start + len(next_ids) - 1
 

@@ -3,11 +3,25 @@
 One step of the drafter at position t reads the target's fused aux hidden state (or its own
 previous output) and the embedding of token t+1, and predicts token t+2:
 
-    g    = fc(aux_hidden)                    # (B, T, 3H) -> (B, T, H), first step only
+    g    = fc(aux_hidden)                    # (B, T, 3H) -> (B, T, H), first step only (project_aux)
     x    = [input_layernorm(embed(t+1)), hidden_norm(g)]   # (B, T, 2H): q/k/v take 2H
     r    = g + attn(x)
     out  = r + mlp(post_attention_layernorm(r))            # fed back as g of the next step
     logits = lm_head(norm(out))             # over the draft vocabulary
+
+Two optional norms (EAGLE-3.1; drafter.norm_before_fc, drafter.norm_output), laid out as SGLang
+0.5.23's LlamaForCausalLMEagle3 reads them from config.json (python/sglang/srt/models/llama_eagle3.py):
+
+    norm_before_fc   g = fc(input_norm(aux_hidden)): one RMSNorm over the whole concatenated 3H
+                     (not one per aux layer, which is SGLang's fc_norm), tensor ``input_norm.weight``
+                     [3H]; config.json ``norm_before_fc: true`` at the top level and in eagle_config
+                     (SGLang reads eagle_config first, then the top level).
+    norm_output      the state fed back as g of the next step is norm(out), the same normed state the
+                     head reads (logits = lm_head(norm(out)) either way); config.json ``norm_output:
+                     true`` at the top level; no new tensor.
+
+Every path (training, decode, the decoders in eyrie.decoding) goes through project_aux,
+layer_output and head, so the flags hold wherever the drafter runs.
 
 The target's embeddings are frozen and never saved: SGLang shares the target's own. The checkpoint
 (what is written, checked and loaded) is eyrie.drafter.checkpoint's.
@@ -44,10 +58,13 @@ class DrafterShape:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     target_num_hidden_layers: int = 0
+    norm_before_fc: bool = False  # RMSNorm over the concatenated 3H aux states before fc (module docstring)
+    norm_output: bool = False  # the normed output, not the pre-norm one, is fed to the next step
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DrafterShape":
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int], *, norm_before_fc: bool = False,
+                    norm_output: bool = False) -> "DrafterShape":
         rope = getattr(target_config, "rope_parameters", None) or {}
         rope_theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
@@ -68,6 +85,8 @@ class DrafterShape:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             target_num_hidden_layers=target_config.num_hidden_layers,
+            norm_before_fc=bool(norm_before_fc),
+            norm_output=bool(norm_output),
         )
 
     def sglang_config(self, torch_dtype: str = "bfloat16") -> dict:
@@ -93,6 +112,11 @@ class DrafterShape:
             "torch_dtype": torch_dtype,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids), "use_aux_hidden_state": True},
         }
+        # Written only when on, so a default drafter's config.json is what it always was.
+        if self.norm_before_fc:  # SGLang reads eagle_config's first, vLLM has read the top level's
+            config["norm_before_fc"] = config["eagle_config"]["norm_before_fc"] = True
+        if self.norm_output:  # SGLang reads only the top level's
+            config["norm_output"] = True
         return config
 
     @classmethod
@@ -112,13 +136,18 @@ class DrafterShape:
             hidden_act=config.get("hidden_act", "silu"),
             rope_theta=config.get("rope_theta", 10000.0),
             rope_scaling=config.get("rope_scaling"),
+            # SGLang's precedence: eagle_config's norm_before_fc, then the top level's.
+            norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc", False))),
+            norm_output=bool(config.get("norm_output", False)),
         )
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Every tensor SGLang loads, with its shape; dtype None means the weight dtype."""
         H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        norms = {"input_norm.weight": ((3 * self.target_hidden_size,), None)} if self.norm_before_fc else {}
         return {
+            **norms,
             "fc.weight": ((H, 3 * self.target_hidden_size), None),
             "midlayer.input_layernorm.weight": ((H,), None),
             "midlayer.hidden_norm.weight": ((H,), None),
@@ -289,6 +318,8 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, shape: DrafterShape, target_embeddings: torch.Tensor, draft_to_target: torch.Tensor, target_to_draft: torch.Tensor):
         super().__init__()
         self.shape = shape
+        # SGLang's name and place: model.input_norm, applied to the concatenated aux states before fc.
+        self.input_norm = RMSNorm(3 * shape.target_hidden_size, shape.rms_norm_eps) if shape.norm_before_fc else None
         self.fc = nn.Linear(3 * shape.target_hidden_size, shape.hidden_size, bias=False)
         self.midlayer = MidLayer(shape)
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
@@ -302,6 +333,13 @@ class Eagle3Drafter(nn.Module):
     def draft_ids_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The first step's g from the target's concatenated aux states (B, T, 3H) -> (B, T, H): fc, after input_norm
+        with norm_before_fc. Callers use this, never fc alone."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        return self.fc(aux_hidden)
+
     def layer_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor):
         """Normalised 2H input of the attention and the rotary tables for these positions."""
         layer = self.midlayer
@@ -311,15 +349,23 @@ class Eagle3Drafter(nn.Module):
         return x, cos.to(x.dtype), sin.to(x.dtype)
 
     def layer_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residuals and MLP after attention: the pre-norm output fed to the next step."""
+        """Residuals and MLP after attention: the state fed to the next step (carried)."""
         residual = hidden + attended
-        return residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual))
+        return self.carried(residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual)))
 
-    def head(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out))
+    def carried(self, out: torch.Tensor) -> torch.Tensor:
+        """What the layer's output hands on, to the next step and to head: the pre-norm output, or norm(out) with norm_output."""
+        return self.norm(out) if self.shape.norm_output else out
+
+    def head_input(self, carried: torch.Tensor) -> torch.Tensor:
+        """The normed state lm_head reads, from a carried state: norm(out) either way, normed only once."""
+        return carried if self.shape.norm_output else self.norm(carried)
+
+    def head(self, carried: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.head_input(carried))
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft logits, pre-norm output fed to the next step)."""
+        """(draft logits, the state fed to the next step)."""
         out = self.layer_output(hidden, attended)
         return self.head(out), out
 

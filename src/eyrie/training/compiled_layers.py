@@ -130,8 +130,8 @@ class CompiledLayers:
         return self._run("rotary_heads", attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), cos, sin, repeat_kv, qk_as_v)[0]
 
     def layer_output(self, model):
-        """model.layer_output (residual + mlp(post_attention_layernorm(residual)), residual = hidden + attended)
-        for one TTT step: a function of (hidden, attended).
+        """model.layer_output (carried(residual + mlp(post_attention_layernorm(residual))), residual = hidden + attended)
+        for one TTT step: a function of (hidden, attended). carried (drafter.norm_output's norm) runs eagerly.
 
         Called again by torch.utils.checkpoint's recompute (train.recompute_mlp), it takes the path,
         compiled or eager, that each piece took the first time: the recomputed tensors must be the
@@ -150,6 +150,6 @@ class CompiledLayers:
             replay = iter(list(paths)) if paths else None
             mlp = model.midlayer.mlp
             residual, normed = run("mlp_input", replay, model, hidden, attended, _autocast_dtype(hidden.device))
-            return residual + mlp.down_proj(run("swiglu", replay, mlp.gate_proj(normed), mlp.up_proj(normed)))
+            return model.carried(residual + mlp.down_proj(run("swiglu", replay, mlp.gate_proj(normed), mlp.up_proj(normed))))
 
         return layer_output

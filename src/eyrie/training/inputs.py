@@ -163,7 +163,8 @@ def read_inputs(
         cache=cache, target_config=target_config, d2t=d2t, t2d=t2d, vocab_manifest=vocab_manifest, vocab_path=str(vocab_path),
         drafter_cfg=drafter_cfg, template_sha256=template_sha256, target_fingerprint=target_fingerprint,
     )
-    shape = DrafterShape.from_target(target_config, int(d2t.numel()), aux_ids)
+    shape = DrafterShape.from_target(target_config, int(d2t.numel()), aux_ids, norm_before_fc=bool(drafter_cfg.get("norm_before_fc", False)),
+                                     norm_output=bool(drafter_cfg.get("norm_output", False)))
     samples, truncated, skipped = cache.samples(batch_tokens)
     if not samples:
         raise TrainingInputError(

@@ -3,9 +3,9 @@
 Alignment (EAGLE-3). For a sample of tokens x_0..x_{n-1} with cached aux states a_t and final
 normed states f_t (target logits at t = lm_head(f_t), predicting x_{t+1}):
 
-    step 0, position t:  hidden g = fc(a_t), input token x_{t+1}, rotary position t,
+    step 0, position t:  hidden g = fc(a_t) (project_aux), input token x_{t+1}, rotary position t,
                          target softmax(lm_head(f_{t+1})) -> predicts x_{t+2}
-    step j, position t:  hidden = the drafter's own pre-norm output of step j-1 at t,
+    step j, position t:  hidden = the drafter's own output of step j-1 at t (pre-norm; normed with drafter.norm_output),
                          input token x_{t+1+j}, rotary position t+j,
                          target softmax(lm_head(f_{t+1+j})) -> predicts x_{t+2+j}
 
@@ -46,7 +46,7 @@ def ttt_hidden(
     recompute_mlp: bool = False,
     compiled=None,
 ) -> list[torch.Tensor]:
-    """The drafter's pre-norm output of each TTT step, aligned to the query position t.
+    """The drafter's output of each TTT step (Eagle3Drafter.carried: pre-norm unless drafter.norm_output), aligned to the query position t.
 
     aux [B, L, 3H] and input_ids [B, L] are the sample's own (index t = token t); step j at
     position t reads token t+1+j at rotary position t+j (see the module docstring). Without
@@ -78,7 +78,7 @@ def ttt_hidden(
         causal = pos[:, None] >= pos[None, :]  # (Tq, Tk)
         mask0 = (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
     compute_dtype = _autocast_dtype(aux.device)
-    hidden = model.fc(aux)
+    hidden = model.project_aux(aux)
     blocks, keys, values, outs = [], [], [], []
     for j in range(steps):
         tokens = shift_left(input_ids, 1 + j)
@@ -261,7 +261,7 @@ def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, targ
     if chunked:
         from eyrie.training.draft_loss import chunked_soft_cross_entropy
 
-        return chunked_soft_cross_entropy(model.norm(out), model.lm_head.weight, target_probs, rows, args)
+        return chunked_soft_cross_entropy(model.head_input(out), model.lm_head.weight, target_probs, rows, args)
     logits = model.head(out)
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(target_probs[rows] * logp).sum(), (logits.argmax(-1) == args).sum()

@@ -21,10 +21,20 @@ def make_optimizer(model: Eagle3Drafter, learning_rate: float, weight_decay: flo
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
 
 
-def learning_rate(step: int, total_steps: int, base: float, warmup_ratio: float) -> float:
-    """Linear warmup, then cosine decay towards 0; step is 0-based."""
+LR_SCHEDULES = ("cosine", "linear", "constant")  # train.lr_schedule
+
+
+def learning_rate(step: int, total_steps: int, base: float, warmup_ratio: float, schedule: str = "cosine") -> float:
+    """Linear warmup over warmup_ratio of the steps, then (train.lr_schedule) cosine decay towards 0, linear decay
+    towards 0, or constant at base; step is 0-based."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"train.lr_schedule is {schedule!r}, expected one of {', '.join(LR_SCHEDULES)}")
     warmup = int(warmup_ratio * total_steps)
     if step < warmup:
         return base * (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
+    if schedule == "constant":
+        return base
+    if schedule == "linear":
+        return base * (1.0 - progress)
     return base * 0.5 * (1.0 + math.cos(math.pi * progress))

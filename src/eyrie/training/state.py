@@ -1,7 +1,7 @@
 """Resume state: where a run stands, saved so that a killed job goes on with the same weights and log.
 
 ``state_dir`` holds one safetensors file of tensors (trained weights, optimizer moments, RNG
-states) and state.json (everything else, naming that file). Each is written then renamed, the
+states, and with train.keep_best the kept epoch's weights) and state.json (everything else, naming that file). Each is written then renamed, the
 tensors first, so state.json always names a complete file; older tensor files go only after.
 A state is resumed only by a run of the same inputs and settings (run_identity).
 """
@@ -34,6 +34,7 @@ class RunRecord:
     seconds: float
     window: dict  # the open logging window (eyrie.training.metrics)
     pending_eval: list[dict] = field(default_factory=list)  # epoch-end simulated acceptances awaiting the next log entry
+    best: dict | None = None  # train.keep_best: the kept epoch so far (eyrie.training.keep_best.best_record)
 
     @classmethod
     def start(cls, ttt_steps: int) -> "RunRecord":
@@ -57,9 +58,11 @@ def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
     return np.random.default_rng([int(seed), int(epoch)]).permutation(n).tolist()
 
 
-def save_state(state_dir: Path, run_id: str, record: RunRecord, model, optimizer) -> None:
-    """Trained weights, optimizer state and RNG states beside the record, in the order that keeps resuming safe."""
+def save_state(state_dir: Path, run_id: str, record: RunRecord, model, optimizer, kept: dict[str, torch.Tensor] | None = None) -> None:
+    """Trained weights, optimizer state, RNG states and the kept epoch's weights (kept, train.keep_best) beside the record,
+    in the order that keeps resuming safe."""
     tensors = {f"model.{name}": p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    tensors.update({f"kept.{name}": t.contiguous() for name, t in (kept or {}).items()})
     opt = optimizer.state_dict()
     opt_scalars = {}
     for idx, entry in opt["state"].items():
@@ -88,8 +91,9 @@ def save_state(state_dir: Path, run_id: str, record: RunRecord, model, optimizer
             old.unlink(missing_ok=True)
 
 
-def load_state(state_dir: Path, run_id: str, model, optimizer, say: Callable[[str], None]) -> RunRecord | None:
-    """The saved progress, with model, optimizer and RNG restored in place; None (and why, to say) if there is none to resume."""
+def load_state(state_dir: Path, run_id: str, model, optimizer, say: Callable[[str], None]) -> tuple[RunRecord, dict[str, torch.Tensor]] | None:
+    """(the saved progress, the kept epoch's weights or {}), with model, optimizer and RNG restored in place;
+    None (and why, to say) if there is none to resume."""
     from safetensors.torch import load_file
 
     path = state_dir / STATE_JSON
@@ -122,4 +126,6 @@ def load_state(state_dir: Path, run_id: str, model, optimizer, say: Callable[[st
         states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
-    return RunRecord(meta["step"], meta["log"], meta["tokens"], meta["seconds"], meta["window"], meta.get("pending_eval", []))
+    record = RunRecord(meta["step"], meta["log"], meta["tokens"], meta["seconds"], meta["window"], meta.get("pending_eval", []), meta.get("best"))
+    kept = {key.removeprefix("kept."): value for key, value in tensors.items() if key.startswith("kept.")}
+    return record, kept

@@ -6,7 +6,11 @@ the drafter, its optimizer and the TTT objective (eyrie.training.objective), res
 write the checkpoint (eyrie.drafter.checkpoint). The TTT alignment is written down in
 eyrie.training.objective. At each epoch's end (and the run's) the drafter's simulated acceptance
 length on held-out cache samples (eyrie.training.holdout, eyrie.training.acceptance) goes into the
-training log; the last one into config.json's eyrie.simulated_acceptance.
+training log. With train.keep_best (the default) the weights written are those of the epoch with the
+best simulated acceptance (eyrie.training.keep_best), else the last epoch's; that epoch's simulation
+goes into config.json's eyrie.simulated_acceptance, and which epoch was kept, and why, into the last
+training-log entry's and config.json's eyrie ``kept``. Training steps may add uniform noise to the
+cached aux states (train.hidden_noise, eyrie.training.noise).
 
 State for resuming lives in ``state_dir`` (eyrie.training.state: safetensors for tensors, JSON for
 the rest, each written then renamed); the declared output directory is written once, at the end,
@@ -35,7 +39,9 @@ from eyrie.training.distributed import DistributedContext, data_parallel, distri
 from eyrie.training.errors import TrainingInputError
 from eyrie.training.holdout import HELD_OUT_SOURCE, TRAINING_SOURCE
 from eyrie.training.inputs import TrainingInputs, read_inputs
+from eyrie.training.keep_best import best_record, is_better, kept_note, restore, snapshot
 from eyrie.training.metrics import add_step, final_metrics, log_entry, log_line, new_window
+from eyrie.training.noise import add_hidden_noise
 from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.optimizer import learning_rate, make_optimizer
 from eyrie.training.state import RunRecord, epoch_order, load_state, run_identity, save_state
@@ -72,6 +78,7 @@ class _Trainer:
     target_lm_head: torch.Tensor
     draft_ids: torch.Tensor  # target id of each draft id, on the device
     t2d: torch.Tensor
+    kept: dict[str, torch.Tensor] | None = None  # train.keep_best: the best epoch's weights so far (rank 0, in the checkpoint's dtype)
 
 
 def train_drafter(
@@ -126,11 +133,11 @@ def train_drafter(
     say(inputs.eval_note)
 
     def save() -> None:
-        save_state(state_path, run_id, record, trainer.model, trainer.optimizer)
+        save_state(state_path, run_id, record, trainer.model, trainer.optimizer, trainer.kept)
 
     compile_fallback = _train_steps(run, trainer, record, save, on_step, say, save_every_steps=save_every_steps, save_every_seconds=save_every_seconds)
-    acceptance = _final_acceptance(run, trainer, record, say)
-    summary = _write_output(run, trainer, record, resumed_from, compile_fallback, acceptance, out_dir, say)
+    acceptance, kept = _kept_weights(run, trainer, record, _final_acceptance(run, trainer, record, say), say)
+    summary = _write_output(run, trainer, record, resumed_from, compile_fallback, acceptance, kept, out_dir, say)
 
     # DDP's reducer holds the gloo group: freed with it, the group's destructor joins its worker threads
     # while holding the GIL that a worker needs to free its last tensors, and the rank hangs at exit
@@ -196,10 +203,12 @@ def _build_trainer(run: _Run, target_dir: str) -> _Trainer:
 
 
 def _resume(run: _Run, trainer: _Trainer, state_dir: Path, run_id: str, say: Callable[[str], None]) -> RunRecord:
-    """This run's saved record (weights, optimizer and RNG restored in place), or a fresh one."""
-    record = load_state(state_dir, run_id, trainer.model, trainer.optimizer, say)
-    if record is None:
+    """This run's saved record (weights, optimizer, RNG and the kept epoch's weights restored in place), or a fresh one."""
+    saved = load_state(state_dir, run_id, trainer.model, trainer.optimizer, say)
+    if saved is None:
         return RunRecord.start(run.ttt_steps)
+    record, kept = saved
+    trainer.kept = kept if record.best is not None and run.ranks.rank == 0 else None
     say(f"train: resuming at step {record.step} of {run.total_steps} from {state_dir}")
     return record
 
@@ -212,6 +221,9 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         f"{', bf16 autocast' if run.use_bf16 else ', fp32'}, {run.attention} attention"
         + (", layer elementwise work compiled (train.compile)" if trainer.compiled is not None else "")
         + (f", {run.ranks.world} ranks" if run.ranks.world > 1 else "")
+        + f"; {cfg['lr_schedule']} learning rate, {'keeping the best epoch' if cfg['keep_best'] else 'keeping the last epoch'}"
+        + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
+        + "".join(f", drafter.{flag}" for flag in ("norm_before_fc", "norm_output") if getattr(inputs.shape, flag))
         + (f"; {inputs.truncated} samples truncated to {batch_tokens} tokens" if inputs.truncated else "")
         + (f"; {inputs.skipped} samples skipped (nothing to train)" if inputs.skipped else "")
     )
@@ -226,7 +238,8 @@ def _train_steps(
     Returns {"step", "error"} of the first step whose pieces could not be compiled (train.compile), or None.
     """
     cfg, ranks, batches = run.train_cfg, run.ranks, run.inputs.batches
-    seed, base_lr, warmup_ratio = int(cfg["seed"]), float(cfg["learning_rate"]), float(cfg["warmup_ratio"])
+    seed, base_lr, warmup_ratio, schedule = int(cfg["seed"]), float(cfg["learning_rate"]), float(cfg["warmup_ratio"]), str(cfg["lr_schedule"])
+    noise = float(cfg["hidden_noise"])
     compiled = trainer.compiled
     compile_fallback = None
     last_save = time.perf_counter()
@@ -236,8 +249,10 @@ def _train_steps(
         epoch, index = divmod(step, run.steps_per_epoch)
         refs, weight = rank_share(batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]], ranks.rank, ranks.world)
         batch = run.inputs.cache.batch(refs, ranks.device, dtype=run.frozen_dtype)
+        if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
+            add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
         batch["weight"] = weight
-        lr = learning_rate(step, run.total_steps, base_lr, warmup_ratio)
+        lr = learning_rate(step, run.total_steps, base_lr, warmup_ratio, schedule)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
         result = train_step(
@@ -259,6 +274,7 @@ def _train_steps(
         evaluation = _simulate(run, trainer, done) if epoch_end else None
         if evaluation is not None:
             record.pending_eval.append(evaluation)
+            _consider(run, trainer, record, evaluation)
         if done % int(cfg["log_every"]) == 0 or done == run.total_steps:
             entry = log_entry(record.window, done, run.steps_per_epoch, lr, run.ttt_steps)
             if compiled is not None:  # False once compiling failed and the steps run eagerly
@@ -290,6 +306,15 @@ def _simulate(run: _Run, trainer: _Trainer, step: int) -> dict:
     return {"epoch": step / run.steps_per_epoch, "step": step, **result}
 
 
+def _consider(run: _Run, trainer: _Trainer, record: RunRecord, evaluation: dict) -> None:
+    """train.keep_best: an epoch's evaluation at least as good as the best so far becomes the kept one, with its weights."""
+    if not bool(run.train_cfg["keep_best"]) or not is_better(evaluation, record.best):
+        return
+    record.best = best_record(evaluation)
+    if run.ranks.rank == 0:  # the rank that saves the state and writes the checkpoint
+        trainer.kept = snapshot(trainer.model, run.weight_dtype)
+
+
 def _final_acceptance(run: _Run, trainer: _Trainer, record: RunRecord, say: Callable[[str], None]) -> dict:
     """The simulated acceptance of the final weights: the last step's eval record (simulated again if a resumed record lacks it)."""
     evaluations = [e for entry in record.log for e in entry.get("eval", [])] + record.pending_eval
@@ -297,11 +322,27 @@ def _final_acceptance(run: _Run, trainer: _Trainer, record: RunRecord, say: Call
         return evaluations[-1]
     evaluation = _simulate(run, trainer, run.total_steps)
     say(acceptance_line(evaluation))
+    _consider(run, trainer, record, evaluation)
     return evaluation
 
 
+def _kept_weights(run: _Run, trainer: _Trainer, record: RunRecord, last: dict, say: Callable[[str], None]) -> tuple[dict, dict]:
+    """(the simulated acceptance of the weights to write, training_log.json's and config.json's ``kept``); with
+    train.keep_best the model now holds the best epoch's weights."""
+    keep_best = bool(run.train_cfg["keep_best"])
+    kept = kept_note(record.best, last, keep_best)
+    if record.log:
+        record.log[-1]["kept"] = kept
+    if not keep_best or record.best is None or record.best["step"] == last["step"]:
+        return last, kept
+    if trainer.kept is not None:  # rank 0; the other ranks write nothing
+        restore(trainer.model, trainer.kept)
+    say(f"train: writing the weights of epoch {kept['epoch']:g} (step {kept['step']}): {kept['by']}")
+    return record.best["evaluation"], kept
+
+
 def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from: int, compile_fallback: dict | None, acceptance: dict,
-                  out_dir: str, say: Callable[[str], None]) -> dict:
+                  kept: dict, out_dir: str, say: Callable[[str], None]) -> dict:
     """The run's summary; rank 0 also writes the drafter directory (SGLang's config with eyrie's provenance, the weights, the log)."""
     metrics = final_metrics(record.log, run.steps_per_epoch, run.ttt_steps)
     summary = {
@@ -319,6 +360,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "draft_vocab_size": run.inputs.shape.draft_vocab_size,
         "ttt_steps": run.ttt_steps,
         SIMULATED_ACCEPTANCE: acceptance,
+        "kept": kept,
     }
     if trainer.compiled is not None:
         summary["compile"] = {"compiled": trainer.compiled.active, "fallback": compile_fallback}
@@ -335,6 +377,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
         "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile") if k in summary}},
         SIMULATED_ACCEPTANCE: check_simulated_acceptance(acceptance, Path(out_dir) / "config.json"),
+        "kept": kept,
     }
     write_checkpoint(out_dir, config, tensors, record.log)
     say(f"train: wrote {out_dir} ({run.total_steps} steps, {record.tokens} tokens, {summary['tokens_per_second']:.0f} tok/s)")

@@ -1,0 +1,182 @@
+"""The training recipe, setting by setting: drafters trained side by side on one pipeline run's cache, compared by
+simulated acceptance on the same held-out cache samples.
+
+Given a pipeline working directory (its config.yaml, results/hidden/, results/vocab/ and the target model), each
+setting is the run's own drafter and train sections with a few keys changed, trained in this process by the
+pipeline's own entry point (eyrie.training.train.train_drafter) on the same shards in the same order. Training
+holds the same samples out (train.eval_fraction, by sample id) and simulates acceptance on them at every epoch's
+end, so the settings are compared on what none of them trained on. Prints one row per setting: the simulated
+acceptance length per chain length k of the written drafter (the kept epoch under train.keep_best), the best and
+the last epoch's length at the longest k, and the training time; then the same as a Markdown table for
+docs/PERFORMANCE.md.
+
+    python benchmarks/recipe_ablation.py run/                         # the default settings below
+    python benchmarks/recipe_ablation.py run/ --setting noise=train.hidden_noise=0.05 \\
+        --setting norms=drafter.norm_before_fc=true,drafter.norm_output=true --set train.epochs=6 --out ablation.json
+
+A setting is NAME=KEY=VALUE[,KEY=VALUE...] (KEY is section.key; VALUE is YAML); --set changes every setting
+(the baseline included). Settings that change the draft vocabulary need another results/vocab and are not here.
+The drafters go to a temporary directory (--keep DIR keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+DEFAULT_SETTINGS = [
+    "baseline=",
+    "last-epoch=train.keep_best=false",
+    "noise-0.05=train.hidden_noise=0.05",
+    "noise-0.1=train.hidden_noise=0.1",
+    "lr-linear=train.lr_schedule=linear",
+    "lr-constant=train.lr_schedule=constant",
+    "norm-before-fc=drafter.norm_before_fc=true",
+    "norm-output=drafter.norm_output=true",
+    "both-norms=drafter.norm_before_fc=true,drafter.norm_output=true",
+]
+
+
+def parse_changes(text: str) -> dict[tuple[str, str], object]:
+    """'train.epochs=6,drafter.norm_output=true' -> {('train', 'epochs'): 6, ('drafter', 'norm_output'): True}."""
+    changes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in ("train", "drafter"):
+            raise SystemExit(f"cannot read {item!r}: expected train.KEY=VALUE or drafter.KEY=VALUE")
+        changes[(section, name)] = yaml.safe_load(value)
+    return changes
+
+
+def parse_setting(text: str) -> tuple[str, dict]:
+    name, sep, changes = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"cannot read setting {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...] (or NAME= for no change)")
+    return name, parse_changes(changes)
+
+
+def pipeline_inputs(workdir: Path) -> dict:
+    """What the pipeline's train job passes train_drafter (scripts/train_drafter.py), read from the working directory."""
+    from eyrie.config import load, shard_names
+    from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
+
+    config = load(workdir / "config.yaml")
+    model = Path(config["model"]["path"] or f"resources/models/{config['model']['name']}")
+    model = model if model.is_absolute() else workdir / model
+    hidden = [workdir / "results" / "hidden" / dataset / f"{shard}.safetensors"
+              for dataset in sorted(config["datasets"]) for shard in shard_names(config, dataset)]  # the rule's order
+    vocab = workdir / "results" / "vocab" / "draft_vocab.safetensors"
+    missing = [str(p) for p in [*hidden, vocab, model] if not p.exists()]
+    if missing:
+        raise SystemExit(f"{workdir}: not built yet ({len(missing)} missing, e.g. {missing[0]}); run the pipeline up to results/drafter first")
+    tokenizer = load_tokenizer(model, config["model"]["trust_remote_code"])
+    return {
+        "hidden_paths": [str(p) for p in hidden],
+        "vocab_path": str(vocab),
+        "target_dir": str(model),
+        "drafter_cfg": dict(config["drafter"]),
+        "train_cfg": dict(config["train"]),
+        "template_sha256": template_fingerprint(tokenizer),
+        "target_fingerprint": model_fingerprint(model),
+    }
+
+
+def train_setting(name: str, changes: dict, inputs: dict, directory: Path, progress: bool) -> dict:
+    """One drafter trained with these changes; its figures from the summary and the training log."""
+    from eyrie.training.keep_best import acceptance_score
+    from eyrie.training.train import train_drafter
+
+    drafter_cfg, train_cfg = dict(inputs["drafter_cfg"]), dict(inputs["train_cfg"])
+    for (section, key), value in changes.items():
+        (drafter_cfg if section == "drafter" else train_cfg)[key] = value
+    out = directory / name
+    t0 = time.perf_counter()
+    summary = train_drafter(
+        hidden_paths=inputs["hidden_paths"], vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"],
+        out_dir=str(out), state_dir=str(directory / f"{name}.state"), drafter_cfg=drafter_cfg, train_cfg=train_cfg,
+        template_sha256=inputs["template_sha256"], target_fingerprint=inputs["target_fingerprint"], progress=progress,
+    )
+    seconds = time.perf_counter() - t0
+    log = json.loads((out / "training_log.json").read_text())
+    epochs = [e for entry in log for e in entry.get("eval", [])]
+    scores = [acceptance_score(e) for e in epochs]
+    written = summary["simulated_acceptance"]
+    return {
+        "k": written["k"],
+        "length": written["length"],  # the written drafter's, per k
+        "conditional_length": written.get("conditional_length"),
+        "source": f"{written['eval_samples']} {written['source']}",
+        "kept_epoch": summary["kept"]["epoch"],
+        "per_epoch_length": [None if s is None else s[1] for s in scores],  # at the longest measured k
+        "best_length": max((s[1] for s in scores if s is not None), default=None),
+        "last_length": None if scores[-1] is None else scores[-1][1],
+        "final_loss": summary["final_loss"],
+        "steps": summary["steps"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "seconds": seconds,
+    }
+
+
+def _number(value, digits=3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(rows: list[dict]) -> str:
+    k = max(len(r["k"]) for r in rows)
+    head = "| setting | changes | " + " | ".join(f"k={i}" for i in range(1, k + 1)) + " | kept epoch | best | last | tok/s | s |"
+    lines = [head, "|" + "---|" * (k + 7)]
+    for r in rows:
+        lengths = [_number(v) for v in r["length"]] + [""] * (k - len(r["length"]))
+        changes = ", ".join(f"`{key}: {json.dumps(value)}`" for key, value in r["changes"].items()) or "(the run's config)"
+        lines.append(f"| {r['setting']} | {changes} | " + " | ".join(lengths)
+                     + f" | {r['kept_epoch']:g} | {_number(r['best_length'])} | {_number(r['last_length'])} | {r['tokens_per_second']:.0f} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdir", type=Path, help="a pipeline working directory with config.yaml, results/hidden and results/vocab")
+    parser.add_argument("--setting", action="append", help="NAME=KEY=VALUE[,KEY=VALUE...]; repeat; default: " + "; ".join(DEFAULT_SETTINGS))
+    parser.add_argument("--set", default="", help="KEY=VALUE[,...] applied to every setting, e.g. train.epochs=6,train.device=cuda")
+    parser.add_argument("--keep", type=Path, help="write the drafters here (kept) instead of a temporary directory")
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--quiet", action="store_true", help="no training progress lines")
+    args = parser.parse_args()
+
+    common = parse_changes(args.set)
+    settings = [parse_setting(text) for text in (args.setting or DEFAULT_SETTINGS)]
+    if len({name for name, _ in settings}) != len(settings):
+        raise SystemExit("setting names must differ")
+    inputs = pipeline_inputs(args.workdir.resolve())
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="recipe-ablation-") as scratch:
+        directory = args.keep or Path(scratch)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, changes in settings:
+            described = ", ".join(f"{section}.{key}={value}" for (section, key), value in changes.items()) or "the run's config"
+            print(f"== {name}: {described}", file=sys.stderr, flush=True)
+            row = train_setting(name, {**common, **changes}, inputs, directory, progress=not args.quiet)
+            rows.append({"setting": name, "changes": {f"{section}.{key}": value for (section, key), value in changes.items()},
+                         "every_setting": {f"{section}.{key}": value for (section, key), value in common.items()}, **row})
+            print(f"{name}: simulated acceptance {' '.join(_number(v, 2) for v in row['length'])} (k=1..{len(row['k'])}) on {row['source']}; "
+                  f"kept epoch {row['kept_epoch']:g}, best {_number(row['best_length'])}, last {_number(row['last_length'])}; "
+                  f"{row['tokens_per_second']:.0f} tok/s, {row['seconds']:.0f} s", flush=True)
+    print()
+    if common:
+        print("Every setting: " + ", ".join(f"`{section}.{key}: {json.dumps(value)}`" for (section, key), value in common.items()))
+        print()
+    print(markdown(rows))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The training recipe's options: keep the best epoch (train.keep_best), noise on the cached states (train.hidden_noise),
+the learning-rate schedule (train.lr_schedule) and the EAGLE-3.1 norms in training (drafter.norm_before_fc, norm_output)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training.test_train import _train_step_once, random_samples, run, tiny_setup, without_seconds
+
+import eyrie.training.train as train_module
+from eyrie.drafter.checkpoint import load_drafter, read_simulated_acceptance
+from eyrie.training.acceptance import acceptance_summary
+from eyrie.training.noise import add_hidden_noise
+from eyrie.training.optimizer import learning_rate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    """Tiny models: one thread is fastest."""
+
+
+# 5 samples in batches of <= 40 tokens: 4 steps per epoch, epochs end at steps 4, 8, 12.
+SAMPLES = {"n": 5, "length": [20, 14, 30, 9, 25], "V": 120, "seed": 5}
+TRAIN = {"batch_tokens": 40, "learning_rate": 3e-3, "warmup_ratio": 0.2}
+
+
+def scripted_simulation(monkeypatch, hits_by_step: dict[int, int], snapshots: dict | None = None) -> None:
+    """Each epoch-end simulation reports per-step accuracy hits/10 (so length(k=3) = 1 + a + a^2 + a^3) instead of simulating;
+    snapshots[step] gets the trained weights it was asked about. Training itself is untouched (the real simulation touches nothing)."""
+
+    def simulate(run_, trainer, step):
+        if snapshots is not None:
+            snapshots[step] = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        hits = hits_by_step[step]
+        counts = [[hits] * 3, [10] * 3, [hits] * 3, [10] * 3]
+        return {"epoch": step / run_.steps_per_epoch, "step": step, **acceptance_summary(counts, source="held-out cache samples", samples=4)}
+
+    monkeypatch.setattr(train_module, "_simulate", simulate)
+
+
+def length_of(hits: int) -> float:
+    a = hits / 10
+    return 1 + a + a**2 + a**3
+
+
+# --------------------------------------------------------------------------- train.keep_best
+
+
+@pytest.mark.parametrize(
+    "hits, kept_step",
+    [
+        ({4: 5, 8: 9, 12: 6}, 8),  # the middle epoch is best: its weights, not the last epoch's
+        ({4: 9, 8: 9, 12: 5}, 8),  # a tie goes to the later epoch
+        ({4: 5, 8: 6, 12: 7}, 12),  # the last epoch is best
+    ],
+)
+def test_keep_best_writes_the_best_epochs_weights_and_says_so(tmp_path, monkeypatch, hits, kept_step):
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    snapshots: dict = {}
+    scripted_simulation(monkeypatch, hits, snapshots)
+    summary = run(tmp_path, inputs, train={**TRAIN, "epochs": 3})
+    assert summary["steps"] == 12 and sorted(snapshots) == [4, 8, 12]
+
+    written = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    for name, weight in snapshots[kept_step].items():  # train.dtype float32: the kept weights exactly
+        assert torch.equal(written[name], weight), name
+    if kept_step != 12:
+        assert any(not torch.equal(written[n], w) for n, w in snapshots[12].items())  # not vacuous: the last epoch differs
+
+    # config.json's simulated acceptance is the kept epoch's (what the benchmark's parity gate compares with) ...
+    acceptance = read_simulated_acceptance(tmp_path / "drafter")
+    assert acceptance["step"] == kept_step and acceptance["length"][-1] == pytest.approx(length_of(hits[kept_step]))
+    # ... and the training log's last entry and config.json say which epoch was kept and why.
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    kept = log[-1]["kept"]
+    assert kept == config["eyrie"]["kept"] == summary["kept"]
+    assert kept["step"] == kept_step and kept["epoch"] == kept_step / 4 and kept["k"] == 3
+    assert kept["length"] == pytest.approx(length_of(hits[kept_step])) and kept["last_epoch_length"] == pytest.approx(length_of(hits[12]))
+    assert "train.keep_best" in kept["by"] and "4 held-out cache samples" in kept["by"]
+    assert [e for e in log[:-1] if "kept" in e] == []  # one note, on the last entry
+
+
+def test_without_keep_best_the_last_epoch_is_written(tmp_path, monkeypatch):
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    snapshots: dict = {}
+    scripted_simulation(monkeypatch, {4: 5, 8: 9, 12: 6}, snapshots)
+    summary = run(tmp_path, inputs, train={**TRAIN, "epochs": 3, "keep_best": False})
+    written = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    for name, weight in snapshots[12].items():
+        assert torch.equal(written[name], weight), name
+    assert read_simulated_acceptance(tmp_path / "drafter")["step"] == 12
+    assert summary["kept"] == {"epoch": 3.0, "step": 12, "by": "the last epoch (train.keep_best: false)"}
+
+
+def test_a_kill_and_resume_with_every_recipe_option_writes_the_same_bytes(tmp_path, monkeypatch):
+    """keep_best (the best epoch is the first, the run is killed two steps after its last save, in epoch 2), hidden noise,
+    a linear schedule and both EAGLE-3.1 norms: the resumed run writes the uninterrupted run's files, byte for byte;
+    the kept weights came back from the resume state."""
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    train = {**TRAIN, "epochs": 2.5, "lr_schedule": "linear", "hidden_noise": 0.3}
+    drafter = {"norm_before_fc": True, "norm_output": True}
+    hits = {4: 9, 8: 5, 10: 6}
+    snapshots: dict = {}
+    scripted_simulation(monkeypatch, hits, snapshots)
+    full = run(tmp_path, inputs, "full", drafter=drafter, train=train)
+    assert full["steps"] == 10 and full["kept"]["step"] == 4
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_7(step):
+        if step == 7:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(tmp_path, inputs, "resumed", drafter=drafter, train=train, save_every_steps=3, on_step=crash_at_7)
+    state = json.loads((tmp_path / "resumed.state" / "state.json").read_text())
+    assert state["step"] == 6 and state["best"]["step"] == 4  # saved at steps 3, 4 (epoch end) and 6
+    resumed = run(tmp_path, inputs, "resumed", drafter=drafter, train=train, save_every_steps=3)
+    assert resumed["resumed_from_step"] == 6 and resumed["kept"] == full["kept"]
+    assert (tmp_path / "full" / "model.safetensors").read_bytes() == (tmp_path / "resumed" / "model.safetensors").read_bytes()
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("full", "resumed")]
+    for config in configs:
+        del config["eyrie"]["metrics"]  # wall times
+    assert configs[0] == configs[1]
+    log_full = json.loads((tmp_path / "full" / "training_log.json").read_text())
+    log_resumed = json.loads((tmp_path / "resumed" / "training_log.json").read_text())
+    assert [e["loss"] for e in log_full] == [e["loss"] for e in log_resumed] and [e["lr"] for e in log_full] == [e["lr"] for e in log_resumed]
+
+    written = load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert written["input_norm.weight"].shape == (96,)  # 3 x target hidden 32
+    for name, weight in snapshots[4].items():
+        assert torch.equal(written[name], weight), name
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert config["norm_before_fc"] is config["eagle_config"]["norm_before_fc"] is config["norm_output"] is True
+    assert config["eyrie"]["drafter"]["norm_before_fc"] is True and config["eyrie"]["train"]["hidden_noise"] == 0.3
+    model = load_drafter(tmp_path / "full", torch.randn(120, 32))
+    assert model.shape.norm_before_fc and model.shape.norm_output and torch.equal(model.input_norm.weight, written["input_norm.weight"])
+
+
+# --------------------------------------------------------------------------- train.hidden_noise
+
+
+def test_hidden_noise_is_uniform_per_sample_and_independent_of_the_batch():
+    """U(-a, a) on each real token's aux states, none on padding; a sample's noise depends on the seed, the epoch and
+    the sample alone: the same in another batch, row or padded length (resume, data-parallel ranks)."""
+    a, width = 0.05, 96
+    refs = [(0, 0, 30), (1, 7, 12)]
+    aux = torch.zeros(2, 30, width)
+    add_hidden_noise(aux, refs, a, seed=3, epoch=1)
+    real = aux[0].flatten()
+    assert real.abs().max() <= a and real.min() < -0.9 * a and real.max() > 0.9 * a and abs(float(real.mean())) < 0.01
+    assert aux[1, :12].abs().max() <= a and aux[1, 12:].abs().max() == 0  # padding stays as it is
+
+    alone = torch.zeros(1, 12, width)
+    add_hidden_noise(alone, [(1, 7, 12)], a, seed=3, epoch=1)
+    assert torch.equal(alone[0], aux[1, :12])
+    base = torch.randn(1, 12, width)
+    shifted = base.clone()
+    add_hidden_noise(shifted, [(1, 7, 12)], a, seed=3, epoch=1)
+    assert torch.allclose(shifted - base, alone, atol=1e-6)  # added to the states, not replacing them
+    for seed, epoch, ref in ((4, 1, (1, 7, 12)), (3, 2, (1, 7, 12)), (3, 1, (1, 8, 12)), (3, 1, (0, 7, 12))):
+        other = torch.zeros(1, 12, width)
+        add_hidden_noise(other, [ref], a, seed=seed, epoch=epoch)
+        assert not torch.equal(other, alone), (seed, epoch, ref)
+
+
+def test_hidden_noise_reaches_training_steps_only(tmp_path, monkeypatch):
+    """train.hidden_noise: every training batch is noised once, the held-out simulation's never; it changes the weights; 0 is off."""
+    import eyrie.training.noise as noise_module
+
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    calls = []
+    real_noise = noise_module.add_hidden_noise
+
+    def spy(aux, refs, amplitude, *, seed, epoch):
+        calls.append((sorted(refs), amplitude, epoch))
+        real_noise(aux, refs, amplitude, seed=seed, epoch=epoch)
+
+    monkeypatch.setattr(train_module, "add_hidden_noise", spy)
+    run(tmp_path, inputs, "noised", train={**TRAIN, "epochs": 2, "hidden_noise": 0.5, "keep_best": False})
+    batches = [sorted(r) for r, _, _ in calls]
+    assert len(calls) == 8 and {amplitude for _, amplitude, _ in calls} == {0.5} and [e for _, _, e in calls] == [0] * 4 + [1] * 4
+    samples = sorted(ref for refs in batches[:4] for ref in refs)
+    assert len(samples) == 5 and sorted(ref for refs in batches[4:] for ref in refs) == samples  # each training sample once per epoch
+    run(tmp_path, inputs, "plain", train={**TRAIN, "epochs": 2, "keep_best": False})
+    assert len(calls) == 8  # hidden_noise 0: never called
+    noised, plain = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("noised", "plain"))
+    assert not torch.equal(noised["fc.weight"], plain["fc.weight"])
+
+
+# --------------------------------------------------------------------------- train.lr_schedule
+
+
+def test_learning_rate_schedules_share_the_warmup_then_decay_as_named():
+    total, base, warmup_ratio = 20, 1e-3, 0.25  # 5 warmup steps
+    schedules = {s: [learning_rate(step, total, base, warmup_ratio, s) for step in range(total)] for s in ("cosine", "linear", "constant")}
+    warmup = [base * (step + 1) / 5 for step in range(5)]
+    for lrs in schedules.values():
+        assert lrs[:5] == pytest.approx(warmup) and lrs[5] == pytest.approx(base)
+    assert schedules["constant"][5:] == [base] * 15
+    assert schedules["linear"][5:] == pytest.approx([base * (1 - k / 15) for k in range(15)])
+    assert schedules["cosine"][5:] == pytest.approx([base * 0.5 * (1 + math.cos(math.pi * k / 15)) for k in range(15)])
+    assert [learning_rate(step, total, base, warmup_ratio) for step in range(total)] == schedules["cosine"]  # the default, as before
+    with pytest.raises(ValueError, match="train.lr_schedule is 'step'"):
+        learning_rate(0, total, base, warmup_ratio, "step")
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_the_training_log_follows_the_schedule(tmp_path, schedule):
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    run(tmp_path, inputs, train={**TRAIN, "epochs": 2, "lr_schedule": schedule})
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    assert [e["lr"] for e in log] == [learning_rate(step, 8, 3e-3, 0.2, schedule) for step in range(8)]
+
+
+# --------------------------------------------------------------------------- the EAGLE-3.1 norms in training
+
+
+def test_compiled_train_step_with_both_norms_equals_eager():
+    """train.compile's layer_output applies norm_output's norm as the eager layer does (with MLP recompute replaying it)."""
+    norms = {"norm_before_fc": True, "norm_output": True}
+    eager, eager_grads, _ = _train_step_once(False, "eager", True, **norms)
+    result, grads, compiled = _train_step_once(True, "eager", True, **norms)
+    assert compiled.error is None, compiled.error
+    assert abs(result["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"])
+    assert len(grads) == 14 and grads["input_norm.weight"].abs().max() > 0  # the aux norm trains
+    for name, grad in eager_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_the_held_out_simulation_runs_the_normed_drafter(tmp_path):
+    """Both norms through a real run: the simulation ran (no scripted stand-in) and its record is config.json's."""
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    summary = run(tmp_path, inputs, drafter={"norm_before_fc": True, "norm_output": True}, train={**TRAIN, "epochs": 1})
+    assert without_seconds(read_simulated_acceptance(tmp_path / "drafter")) == without_seconds(summary["simulated_acceptance"])
+    assert summary["simulated_acceptance"]["positions_per_step"][0] > 0
