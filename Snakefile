@@ -12,6 +12,7 @@ include: "rules/tokenize.smk"
 include: "rules/vocab.smk"
 include: "rules/hidden.smk"
 include: "rules/train.smk"
+include: "rules/speculators.smk"
 include: "rules/bench.smk"
 include: "rules/report.smk"
 

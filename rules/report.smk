@@ -10,6 +10,7 @@ rule write_report:
         vocab="results/vocab/draft_vocab.safetensors",
         hidden=all_of("results/hidden/{dataset}/{shard}.safetensors"),
         drafter="results/drafter",
+        speculators="results/drafter-speculators",  # the report prints vLLM's command serving it
         bench=expand("results/bench/{benchmark}.json", benchmark=BENCHMARKS),
     output:
         "report.html",

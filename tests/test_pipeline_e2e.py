@@ -97,7 +97,8 @@ def test_changing_one_dataset_setting_reruns_only_that_dataset(built):
     }
     assert not any(rule.startswith("build_prompts") for rule, _ in jobs)
     assert {rule for rule, _ in jobs} - {r for r, _ in shard_jobs} <= {
-        "build_draft_vocab", "train_drafter", "benchmark_heldout", "benchmark_humaneval", "benchmark_mtbench", "write_report"
+        "build_draft_vocab", "train_drafter", "export_speculators", "benchmark_heldout", "benchmark_humaneval", "benchmark_mtbench",
+        "write_report",
     }
 
 
@@ -240,7 +241,8 @@ def test_two_training_processes_through_the_snakefile(built):
     config_path.write_text(yaml.safe_dump(config))
     try:
         jobs = {rule for rule, _ in dry_run_jobs(built)}
-        assert jobs - {"all"} == {"train_drafter", "benchmark_heldout", "benchmark_humaneval", "benchmark_mtbench", "write_report"}
+        assert jobs - {"all"} == {"train_drafter", "export_speculators", "benchmark_heldout", "benchmark_humaneval", "benchmark_mtbench",
+                                  "write_report"}
         snakemake(built, "report.html")
         log = (built / "logs/train/drafter.log").read_text()
         assert "2 ranks" in log and json.loads((built / "results/partial/train/launch.json").read_text())["train_cfg"]["processes"] == 2

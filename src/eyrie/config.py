@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import yaml
 
 from eyrie.core.errors import ConfigError
 from eyrie.core.schema import load_schema
+from eyrie.target.aux_layers import AuxLayerError, capture_indices, sglang_version_caveat
 
 
 def _with_defaults(validator_class):
@@ -73,6 +75,15 @@ def _check_consistency(config: dict, origin: str) -> None:
         raise ConfigError(f"{origin}: model: set either model.path (a local HF directory) or model.gguf (package and member)")
     if config["bench"]["humaneval"] and "humaneval" in config["datasets"]:
         raise ConfigError(f"{origin}: datasets.humaneval: the name is taken by the HumanEval benchmark; rename the dataset")
+    aux_layer_ids = config["drafter"]["aux_layer_ids"]
+    if aux_layer_ids is not None:
+        try:
+            capture_indices(aux_layer_ids, None)  # the target's depth is checked once it is known (hidden, train)
+        except AuxLayerError as err:
+            raise ConfigError(f"{origin}: drafter.aux_layer_ids: {err}") from None
+        caveat = sglang_version_caveat(aux_layer_ids)
+        if caveat:
+            warnings.warn(f"{origin}: drafter.aux_layer_ids: {caveat}", stacklevel=3)
 
 
 def load(path: str | Path) -> dict[str, Any]:

