@@ -67,6 +67,34 @@ def test_bad_config_names_the_key_and_what_was_expected(change, expected):
     assert expected in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "sweep, expected",
+    [
+        ([{"steps": 0, "topk": 1, "draft_tokens": 2}], "bench.sweep.0.steps: expected a value >= 1, got 0"),
+        ([{"steps": 2, "topk": 1, "draft_tokens": 3}, {"steps": 2, "topk": "4", "draft_tokens": 3}], "bench.sweep.1.topk: expected type integer"),
+        ([{"steps": 2, "topk": 1, "draft_tokens": 1}], "bench.sweep.0.draft_tokens: expected a value >= 2, got 1"),
+        ([{"steps": 2, "topk": 1}], "bench.sweep.0: 'draft_tokens' is a required property"),
+        ([{"steps": 2, "topk": 1, "draft_tokens": 3, "k": 2}], "bench.sweep.0: Additional properties are not allowed"),
+    ],
+)
+def test_a_bad_sweep_setting_is_named_by_its_place(sweep, expected):
+    raw = tiny()
+    raw["bench"]["sweep"] = sweep
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(raw)
+    assert expected in str(err.value)
+
+
+def test_the_shipped_sweeps_are_settings_sglang_accepts():
+    """The bound the schema cannot say (N <= 1 + K + (S-1)K^2) is checked by the benchmark, as bench.sweep[i]."""
+    from eyrie.bench.sweep import check_sweep, label
+
+    sweeps = {path: check_sweep(cfg.load(path)["bench"]["sweep"]) for path in (REPO / "config.yaml", REPO / "configs" / "h200.yaml", TINY_CONFIG)}
+    assert [label(s) for s in sweeps[REPO / "config.yaml"]] == ["chain 3", "tree 5-4-8"]
+    assert [label(s) for s in sweeps[REPO / "configs" / "h200.yaml"]] == ["chain 3", "chain 5", "chain 7", "tree 5-4-8", "tree 6-8-32", "tree 8-10-64"]
+    assert [label(s) for s in sweeps[TINY_CONFIG]] == ["tree 2-2-4"]
+
+
 def test_model_needs_a_path_or_a_gguf():
     raw = tiny()
     del raw["model"]["gguf"]

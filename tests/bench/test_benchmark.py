@@ -29,7 +29,10 @@ PROMPTS = [
         ],
     },
 ]
-CFG = {"draft_tokens": 3, "max_new_tokens": 12, "min_acceptance_length": 1.05, "dtype": "float32"}
+# No sweep unless a test is about it: its settings are measured in the tests below.
+CFG = {"draft_tokens": 3, "max_new_tokens": 12, "min_acceptance_length": 1.05, "dtype": "float32", "sweep": []}
+# A chain of 2 and a small tree, on transformers' decoder (eyrie.decoding.tree): what the sweep tests measure.
+SWEEP = [{"steps": 2, "topk": 1, "draft_tokens": 3}, {"steps": 2, "topk": 2, "draft_tokens": 4}]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,6 +176,91 @@ def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):
     assert result["ngram"] is None and result["speedup_over_ngram"] is None
     assert result["prompts"] == 1 and result["lossless"] is True
     assert result["float32_check"] is None  # timed in float32: the timed run itself is the check
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def test_the_sweep_decodes_every_setting_on_the_same_prompts_and_recommends_the_fastest_lossless(tmp_path, model_dir, drafter):
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS, benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "decoder": "transformers", "sweep": SWEEP},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    sweep = result["sweep"]
+    assert json.loads((tmp_path / "bench.json").read_text())["sweep"] == json.loads(json.dumps(sweep))
+    assert [s["label"] for s in sweep["settings"]] == ["chain 2", "tree 2-2-4"]
+    assert sweep["lossless_checked_in"] == "float32" and result["float32_check"] is None  # timed in float32: the run is the check
+    greedy_tokens = {row["id"]: row["new_tokens"] for row in result["per_prompt"]}
+    for setting, asked in zip(sweep["settings"], SWEEP):
+        assert {k: setting[k] for k in asked} == asked
+        rows = setting["per_prompt"]
+        assert [r["id"] for r in rows] == ["p-1", "p-2"]  # every prompt, in the drafter's order
+        for row in rows:
+            assert row["identical"] and row["first_divergence"] is None and row["new_tokens"] == greedy_tokens[row["id"]]
+            assert row["rounds"] == len(row["acceptance_lengths"]) and all(1 <= n <= 1 + asked["steps"] for n in row["acceptance_lengths"])
+        rounds = sum(r["rounds"] for r in rows)
+        assert setting["rounds"] == rounds and setting["new_tokens"] == sum(greedy_tokens.values())
+        assert setting["mean_acceptance_length"] == pytest.approx(sum(sum(r["acceptance_lengths"]) for r in rows) / rounds)
+        per_depth = setting["acceptance_rate_per_depth"]
+        assert len(per_depth) == asked["steps"] and per_depth == [pytest.approx(sum(r["accepted_per_position"][d] for r in rows) / rounds) for d in range(asked["steps"])]
+        assert setting["tokens_per_s"] == pytest.approx(setting["new_tokens"] / sum(r["seconds"] for r in rows))
+        assert setting["speedup"] == pytest.approx(setting["tokens_per_s"] / result["greedy_tokens_per_s"])
+        assert setting["speedup_over_ngram"] == pytest.approx(setting["tokens_per_s"] / result["ngram"]["tokens_per_s"])
+        assert setting["lossless"] is True and setting["different"] == []
+        flags = f"--speculative-num-steps {asked['steps']} --speculative-eagle-topk {asked['topk']} --speculative-num-draft-tokens {asked['draft_tokens']}"
+        assert setting["sglang_flags"] == "--speculative-algorithm EAGLE3 " + flags
+    main = sweep["main"]
+    assert main["label"] == "chain 3 (bench.draft_tokens)" and (main["steps"], main["topk"], main["draft_tokens"]) == (3, 1, 4)
+    assert main["tokens_per_s"] == result["spec_tokens_per_s"] and main["lossless"] is True
+    # The recommendation: the fastest of the lossless candidates, the main chain among them.
+    candidates = [main, *sweep["settings"]]
+    fastest = max(candidates, key=lambda c: c["tokens_per_s"])
+    best = sweep["best"]
+    assert (best["label"], best["tokens_per_s"], best["main_chain"]) == (fastest["label"], fastest["tokens_per_s"], fastest is main)
+    assert sweep["sglang_flags"] == (f"--speculative-algorithm EAGLE3 --speculative-num-steps {best['steps']} "
+                                     f"--speculative-eagle-topk {best['topk']} --speculative-num-draft-tokens {best['draft_tokens']}")
+    # The main measurement and its gate are what they were without a sweep.
+    assert result["draft_tokens"] == 3 and len(result["acceptance_rate_per_position"]) == 3 and result["lossless"] is True
+
+
+def test_the_float32_check_decodes_the_sweep_too_and_decides_its_losslessness(tmp_path, model_dir, target, drafter):
+    from eyrie.target.model import template_fingerprint
+
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter", template_fingerprint(target[1]))
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 4, "min_acceptance_length": 1.0, "dtype": "bfloat16", "ngram": False,
+                   "decoder": "transformers", "sweep": SWEEP[1:]},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    check = result["float32_check"]
+    assert check["sweep"] == [{"label": "tree 2-2-4", "checked": 1, "identical": 1, "different": [], "lossless": True}]
+    assert check["lossless"] is True and result["lossless"] is True
+    setting = result["sweep"]["settings"][0]
+    assert result["sweep"]["lossless_checked_in"] == "float32" and setting["lossless"] is True
+    assert setting["agreement_in_timing_dtype"]["dtype"] == "bfloat16" and setting["agreement_in_timing_dtype"]["checked"] == 1
+    assert setting["speedup_over_ngram"] is None and result["sweep"]["best"] is not None
+
+
+def test_the_sweep_runs_on_the_static_decoder(tmp_path, model_dir, drafter):
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "ngram": False, "sweep": SWEEP},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    assert result["decoder"] == "static"
+    assert [s["lossless"] for s in result["sweep"]["settings"]] == [True, True] and result["sweep"]["best"] is not None
+
+
+def test_a_sweep_setting_sglang_would_refuse_stops_the_benchmark_before_any_model_loads(tmp_path):
+    from eyrie.core.errors import ConfigError
+
+    sweep = [SWEEP[0], {"steps": 2, "topk": 2, "draft_tokens": 8}]  # 2 + 4 nodes drafted, 7 to verify
+    with pytest.raises(ConfigError, match=r"bench\.sweep\[1\].*--speculative-num-draft-tokens 8 verifies 7 drafts"):
+        run_benchmark(target_dir=tmp_path / "no-model", drafter_dir_or_model=tmp_path / "no-drafter", prompts=PROMPTS, benchmark_name="local",
+                      bench_cfg={**CFG, "sweep": sweep}, out_path=tmp_path / "bench.json", device="cpu")
+    assert not (tmp_path / "bench.json").exists()
 
 
 def test_template_or_target_mismatch_is_refused(tmp_path, model_dir, target, drafter):

@@ -116,3 +116,38 @@ def test_cuda_graph_tree_rounds_equal_eager_rounds(compile):
     graphed = tree_decode(graphed_engine, drafter, prompt, 40, set(), 5, 4, 8)
     assert not graphed_engine.capture_failures, graphed_engine.capture_failures
     assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
+
+
+def normed_drafter(model, scale: float = 0.2):
+    """A random drafter with both EAGLE-3.1 norms (norm_before_fc's input_norm, norm_output's fed-back normed state)."""
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+    from eyrie.target.aux_layers import default_aux_layer_ids
+
+    vocab = model.config.vocab_size
+    shape = DrafterShape.from_target(model.config, vocab, default_aux_layer_ids(model.config.num_hidden_layers),
+                                     norm_before_fc=True, norm_output=True)
+    drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, weight in drafter.named_parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, scale)
+            elif name.endswith("input_norm.weight"):
+                weight.uniform_(0.5, 1.5)  # not the identity: the norm must be applied where SGLang applies it
+    return drafter.eval()
+
+
+def test_eagle31_norms_decode_alike_on_every_path():
+    """A drafter with norm_before_fc and norm_output: the static chain and tree equal transformers' chain and tree."""
+    model = tiny_target(vocab_size=5)
+    drafter = normed_drafter(model)
+    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(11)).tolist()
+    greedy = greedy_decode(model, prompt, 40, set()).tokens
+    chain_reference = speculative_decode(model, drafter, prompt, 40, set(), draft_tokens=3)
+    chain_static = speculative_decode(engine, drafter, prompt, 40, set(), draft_tokens=3)
+    tree_reference = tree_speculative_decode(model, drafter, prompt, 40, set(), 4, 3, 10)
+    tree_static = tree_decode(engine, drafter, prompt, 40, set(), 4, 3, 10)
+    assert chain_static.tokens == chain_reference.tokens == tree_static.tokens == tree_reference.tokens == greedy
+    assert chain_static.acceptance_lengths == chain_reference.acceptance_lengths and max(chain_static.acceptance_lengths) > 1
+    assert tree_static.acceptance_lengths == tree_reference.acceptance_lengths

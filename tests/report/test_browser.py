@@ -24,7 +24,7 @@ FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--hide-scrollbars",
 )
-WIDTH, HEIGHT = 1280, 9000  # tall enough for the whole page; the blank bottom is cropped off the artifact
+WIDTH, HEIGHT = 1280, 12000  # tall enough for the whole page; the blank bottom is cropped off the artifact
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium); the browser check needs it")
@@ -84,6 +84,9 @@ def test_chromium_shows_the_benchmark_figures(page, tmp_path):
     # the n-gram baseline sits between the speedup and losslessness: acceptance 1.42, 40.1 tokens/s, the drafter 1.08× over it
     assert re.search(r"sharegpt 2 2\.37 52\.4 43\.5 0\.83× \(slower\) 1\.42 40\.1 1\.08× yes: identical on 2 of 2 prompts", glance)
     assert "--speculative-algorithm EAGLE3" in text and "--host 127.0.0.1" in text
+    # the sweep: the recommended tree highlighted, with the flags that serve it
+    assert "tree 5-4-8 ★ recommended 5, 4, 8 2.91" in bench
+    assert "SGLang flags: --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8" in bench
     assert len(re.findall(r"<svg\b", section)) == 3  # acceptance length, per-position acceptance, tokens/s
 
 

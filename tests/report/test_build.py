@@ -296,6 +296,24 @@ BENCH = {
                            {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.29, "tokens_per_s": 38.9}],
         },
     },
+}
+BENCH["sharegpt"]["sweep"] = {  # the drafting settings measured beside the main chain; a tree is the fastest lossless one
+    "lossless_checked_in": "float32",
+    "settings": [
+        {"label": "chain 3", "steps": 3, "topk": 1, "draft_tokens": 4, "mean_acceptance_length": 2.2, "acceptance_rate_per_depth": [0.7, 0.4, 0.1],
+         "rounds": 290, "new_tokens": 640, "tokens_per_s": 41.0, "speedup": 41.0 / 52.4, "speedup_over_ngram": 41.0 / 40.1, "lossless": True,
+         "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}]},
+        {"label": "tree 5-4-8", "steps": 5, "topk": 4, "draft_tokens": 8, "mean_acceptance_length": 2.91, "acceptance_rate_per_depth": [0.8, 0.55, 0.3, 0.2, 0.06],
+         "rounds": 220, "new_tokens": 640, "tokens_per_s": 47.9, "speedup": 47.9 / 52.4, "speedup_over_ngram": 47.9 / 40.1, "lossless": True,
+         "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}]},
+    ],
+    "main": {"label": "chain 4 (bench.draft_tokens)", "steps": 4, "topk": 1, "draft_tokens": 5, "mean_acceptance_length": 2.37, "tokens_per_s": 43.5,
+             "speedup": 43.5 / 52.4, "speedup_over_ngram": 43.5 / 40.1, "lossless": True},
+    "best": {"label": "tree 5-4-8", "steps": 5, "topk": 4, "draft_tokens": 8, "mean_acceptance_length": 2.91, "tokens_per_s": 47.9,
+             "speedup": 47.9 / 52.4, "speedup_over_ngram": 47.9 / 40.1, "lossless": True, "main_chain": False},
+    "sglang_flags": "--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8",
+}
+BENCH.update({
     "humaneval": {  # measured, the drafter not engaged: an error, and one prompt diverged
         "mean_acceptance_length": 1.013, "acceptance_rate_per_position": [0.013, 0.0, 0.0, 0.0], "rounds": 500,
         "greedy_tokens_per_s": 60.0, "spec_tokens_per_s": 31.0, "speedup": 31.0 / 60.0, "lossless": False, "prompts": 4,
@@ -305,7 +323,7 @@ BENCH = {
     },
     "chat": {"mean_acceptance_length": None, "acceptance_rate_per_position": [], "rounds": 0, "greedy_tokens_per_s": None,
              "spec_tokens_per_s": None, "speedup": None, "lossless": True, "prompts": 0, "error": None, "per_prompt": []},
-}
+})
 
 
 def _save_safetensors(path: Path, tensors: dict, manifest: dict) -> str:
@@ -343,10 +361,11 @@ def _drafter_config(template: str = SHA_A, aux: list | None = None) -> dict:
 
 
 def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_template: str = SHA_A, drafter_aux: list | None = None,
-               ngram: dict | None = None) -> dict:
+               ngram: dict | None = None, sweep: dict | None = None) -> dict:
     """Fake back-half outputs under root/results, as write_report's keyword arguments.
 
     ngram: per benchmark, a replacement n-gram block; {name: None} writes that JSON as before the baseline existed.
+    sweep: per benchmark, a replacement sweep block; {name: None} writes that JSON as before the sweep existed.
     """
     import torch
 
@@ -377,6 +396,10 @@ def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_templ
             result = {k: v for k, v in result.items() if k not in ("ngram", "speedup_over_ngram")}
             if ngram[name] is not None:
                 result.update(ngram=ngram[name], speedup_over_ngram=result["spec_tokens_per_s"] / ngram[name]["tokens_per_s"])
+        if name in (sweep or {}):
+            result = {k: v for k, v in result.items() if k != "sweep"}
+            if sweep[name] is not None:
+                result["sweep"] = sweep[name]
         meta = {"benchmark": name, "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32",
                 "device": "cpu", "hardware": "CPU: test machine", "torch": "2.0", "template_sha256": SHA_A, "new_tokens": 640}
         path.write_text(json.dumps({**meta, **result}))
@@ -429,7 +452,7 @@ def test_full_report_drafter(full_html, tmp_path_factory):
     assert "accuracy per TTT step" in full_html
     assert "5 log entries" in full_html and "loss 4.0000 at the first entry, 2.1000 at step 50" in full_html
     assert re.search(
-        r"python -m sglang\.launch_server --model-path /models/tiny-llama --host 127\.0\.0\.1 --port 30000 "
+        r"python -m sglang\.launch_server --model-path /models/tiny-llama --host 127\.0\.0\.1 --port 30000 --dtype bfloat16 "
         r"--speculative-algorithm EAGLE3 --speculative-draft-model-path \S+/results/drafter "
         r"--speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5</pre>", full_html)
     assert "binds to <code>127.0.0.1</code>" in full_html and "change <code>--host</code> deliberately" in full_html
@@ -494,6 +517,57 @@ def test_ngram_faster_than_the_drafter_is_a_hint_and_a_divergence_is_a_warning(t
     assert "First divergence of the n-gram decode: <code>s9</code> at new token 5" in html
 
 
+def test_full_report_shows_the_sweep_and_the_sglang_command_of_its_recommendation(full_html):
+    section = full_html.split('<section id="bench">')[1]
+    sharegpt = section.split('id="bench-1"')[1].split('id="bench-2"')[0]
+    assert "<h4>Drafting settings</h4>" in sharegpt and "<th>speedup over n-gram</th>" in sharegpt
+    rows = sharegpt.split("<h4>Drafting settings</h4>")[1].split("</table>")[0].split("<tr")[2:]
+    assert [re.search(r"<td>(?:<strong>)?([^<]+)", r).group(1) for r in rows] == ["chain 4 (bench.draft_tokens)", "chain 3", "tree 5-4-8"]
+    assert rows[2].startswith(' class="best"><td><strong>tree 5-4-8</strong> ★ recommended</td><td class="n">5, 4, 8</td>')
+    assert "recommended" not in rows[0] + rows[1]
+    tree = rows[2].replace("&nbsp;", " ")
+    assert "2.91" in tree and "1: 80.0%, 2: 55.0%, 3: 30.0%, 4: 20.0%, 5: 6.0%" in tree and "47.9" in tree
+    assert "0.91× <strong class=\"slow\">(slower)</strong>" in tree and "1.19×" in tree and "yes: identical on 2 of 2 prompts" in tree
+    assert "2.37" in rows[0] and "1: 71.0%" in rows[0].replace("&nbsp;", " ")  # the main chain's own figures
+    assert "losslessness checked in float32" in sharegpt
+    assert ("SGLang flags: <code>--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4 "
+            "--speculative-num-draft-tokens 8</code>") in sharegpt
+    assert re.search(
+        r"<pre class=\"cmd\">python -m sglang\.launch_server --model-path /models/tiny-llama --host 127\.0\.0\.1 --port 30000 "
+        r"--dtype bfloat16 --speculative-algorithm EAGLE3 --speculative-draft-model-path \S+/results/drafter "
+        r"--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8</pre>", sharegpt)
+    humaneval = section.split('id="bench-2"')[1].split('id="bench-3"')[0]
+    assert "Drafting settings" not in humaneval  # its JSON predates the sweep
+    serve = full_html.split('id="serve"')[1].split('<section id="bench">')[0]
+    assert '<a href="#bench-1">sharegpt</a>: tree 5-4-8' in serve
+
+
+def test_a_sweep_setting_that_changes_the_output_is_a_warning_and_never_recommended(tmp_path):
+    block = json.loads(json.dumps(BENCH["sharegpt"]["sweep"]))
+    tree = block["settings"][1]
+    tree.update(lossless=False, different=[{"id": "s8", "at": 11}])
+    block["best"] = {**block["main"], "main_chain": True}
+    block["sglang_flags"] = "--speculative-algorithm EAGLE3 --speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5"
+    html = _write_full(tmp_path, sweep={"sharegpt": block})
+    assert "sharegpt: sweep setting tree 5-4-8 output differs from plain greedy on 1 of 2 prompts (s8 at new token 11)" in html
+    assert "First divergence with tree 5-4-8: <code>s8</code> at new token 11" in html
+    assert '<tr class="best"><td><strong>chain 4 (bench.draft_tokens)</strong> ★ recommended' in html and "the main chain itself" in html
+    assert "<strong class=\"slow\">no</strong>: identical on 1 of 2 prompts" in html
+    assert html.count('class="best"') == 1
+
+
+def test_a_sweep_without_any_lossless_setting_recommends_nothing(tmp_path):
+    block = {**BENCH["sharegpt"]["sweep"], "best": None, "sglang_flags": None}
+    html = _write_full(tmp_path, sweep={"sharegpt": block})
+    assert "No setting is recommended:" in html and 'class="best"' not in html and "SGLang flags:" not in html
+
+
+def test_report_without_any_sweep_block_renders_as_before(tmp_path):
+    html = _write_full(tmp_path, sweep={"sharegpt": None})
+    assert "Drafting settings" not in html and "recommended" not in html
+    assert "<strong>2.37</strong>" in html and "<td>EAGLE-3 drafter</td>" in html and "yes: identical on 2 of 2 prompts" in html
+
+
 def test_warns_when_hidden_shards_disagree_and_drafter_template_differs(tmp_path):
     html = _write_full(
         tmp_path,
@@ -521,6 +595,10 @@ def test_collect_back_half_is_plain_data(tmp_path):
     assert rows["sharegpt"]["ngram"]["tokens_per_s"] == 40.1 and rows["sharegpt"]["ngram"]["identical"] == 2
     assert rows["sharegpt"]["speedup_over_ngram"] == pytest.approx(43.5 / 40.1) and not rows["sharegpt"]["slower_than_ngram"]
     assert rows["humaneval"]["ngram"] is None and rows["humaneval"]["speedup_over_ngram"] is None
+    sweep = rows["sharegpt"]["sweep"]
+    assert sweep["best"]["label"] == "tree 5-4-8" and sweep["best"]["recommended"] and sweep["command_error"] is None
+    assert [r["label"] for r in sweep["rows"]] == ["chain 4 (bench.draft_tokens)", "chain 3", "tree 5-4-8"] and sweep["rows"][0]["main"]
+    assert rows["humaneval"]["sweep"] is None
     assert rows["humaneval"]["error"] and rows["humaneval"]["identical"] == 3
     assert rows["chat"]["built"] and not rows["chat"]["measured"] and rows["chat"]["speedup"] is None
     assert not rows["missing"]["built"]

@@ -7,7 +7,9 @@ training-free baseline the drafter must beat. All run on the same decoder (bench
 static-cache loop (CUDA graphs on CUDA) when the target is Llama-structured, else transformers' own;
 the JSON names the one that ran. The JSON records, per prompt and overall, the measured acceptance
 length (the bonus token counts), the per-position acceptance rate, tokens/s of every decoder and
-whether the outputs are identical; the n-gram baseline's figures sit in its `ngram` block.
+whether the outputs are identical; the n-gram baseline's figures sit in its `ngram` block. Each
+setting of bench.sweep (chains and SGLang-style trees, eyrie.bench.sweep) decodes the same prompts
+too, and its `sweep` block recommends the fastest lossless one with the SGLang flags that serve it.
 
 An acceptance length near 1.0 means the drafter is not engaged: that is an error, not a result. The
 JSON is written first, with the error in it, so nothing measured is lost.
@@ -26,6 +28,7 @@ from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
 from eyrie.bench.parity import parity
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
+from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
 from eyrie.core.schema import with_defaults
@@ -232,11 +235,13 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
     return model, tokenizer, drafter, label, template_sha256
 
 
-def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None) -> tuple[list[dict], list[dict]]:
-    """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, on each (id, prompt ids): a row per prompt for the drafter and one for the n-gram.
+def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None,
+            sweep: list = ()) -> tuple[list[dict], list[dict], list[list[dict]]]:
+    """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, then each sweep setting (TreeShapes), on each
+    (id, prompt ids): a row per prompt for the drafter, one for the n-gram and, per setting, one for that setting.
 
     `model` is a transformers model or a StaticLlama around one (see open_decoder): every decoder uses it.
-    The three run back to back on each prompt, so drift over the run hits them alike.
+    They all run back to back on each prompt, so drift over the run hits them alike.
     """
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
@@ -245,35 +250,42 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
     speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
     if ngram:
         ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
-    rows, ngram_rows = [], []
+    warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, sweep)
+    rows, ngram_rows, sweep_rows = [], [], [[] for _ in sweep]
     for prompt_id, prompt_ids in prompts:
         plain = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
         if ngram:
             ngram_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, draft_tokens)))
-    return rows, ngram_rows
+        for setting_rows, row in zip(sweep_rows, decode_settings(model, drafter, prompt_id, prompt_ids, plain, max_new_tokens, stop_ids, sweep)):
+            setting_rows.append(row)
+    return rows, ngram_rows, sweep_rows
 
 
-def float32_check(target_dir, drafter_dir_or_model, encoded, cfg: dict, stop_ids, device: str, trust_remote_code: bool) -> dict:
-    """Greedy and drafter decoding of the same prompts again in float32, untimed: the losslessness verdict.
+def float32_check(target_dir, drafter_dir_or_model, encoded, cfg: dict, stop_ids, device: str, trust_remote_code: bool, sweep: list = ()) -> dict:
+    """Greedy, drafter and every sweep setting's decoding of the same prompts again in float32, untimed: the losslessness verdict.
 
     Timing runs in the serving dtype (bf16 on GPUs, where an fp32 verify costs up to 3x more); there a
     verify over k + 1 tokens can round differently from one-token decoding and greedy paths part at a
-    near-tie, so exact equality is only a fair test in float32.
+    near-tie, so exact equality is only a fair test in float32. identical/different are the main chain's;
+    `sweep` holds each setting's; lossless is true only when the chain and every setting are.
     """
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
     model, _, drafter, _, _ = load_models(target_dir, drafter_dir_or_model, "float32", device, None, trust_remote_code)
     engine, _, _ = open_bench_decoder(model, {**cfg, "compile": False}, encoded)  # untimed: not worth compiling
-    different = []
+    different, sweep_rows = [], [[] for _ in sweep]
     for prompt_id, prompt_ids in encoded:
-        plain = greedy_decode(engine, prompt_ids, cfg["max_new_tokens"], stop_ids).tokens
+        plain = greedy_decode(engine, prompt_ids, cfg["max_new_tokens"], stop_ids)
         spec = speculative_decode(engine, drafter, prompt_ids, cfg["max_new_tokens"], stop_ids, cfg["draft_tokens"]).tokens
-        if spec != plain:
-            different.append({"id": prompt_id, "at": first_divergence(plain, spec)})
+        if spec != plain.tokens:
+            different.append({"id": prompt_id, "at": first_divergence(plain.tokens, spec)})
+        for setting_rows, row in zip(sweep_rows, decode_settings(engine, drafter, prompt_id, prompt_ids, plain, cfg["max_new_tokens"], stop_ids, sweep)):
+            setting_rows.append(row)
+    settings = verdicts(sweep, sweep_rows)
     return {"dtype": "float32", "checked": len(encoded), "identical": len(encoded) - len(different), "different": different,
-            "lossless": not different}
+            "sweep": settings, "lossless": not different and all(s["lossless"] for s in settings)}
 
 
 def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
@@ -281,7 +293,7 @@ def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
     from eyrie.decoding.static import needed_capacity, open_decoder
 
     longest = max(len(ids) for _, ids in encoded)
-    capacity = needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), cfg["draft_tokens"])
+    capacity = needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), widest_draft(cfg["draft_tokens"], cfg.get("sweep")))
     return open_decoder(model, cfg["decoder"], capacity, compile=cfg["compile"])
 
 
@@ -306,9 +318,11 @@ def run_benchmark(
     cfg = with_defaults("bench", bench_cfg)
     if not prompts:
         raise BenchmarkError(f"{benchmark_name}: no prompts to benchmark (is the held-out share of this dataset empty?)")
+    check_sweep(cfg["sweep"])  # before any model loads
     model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
         target_dir, drafter_dir_or_model, cfg["dtype"], device, template_sha256_expected, trust_remote_code
     )
+    sweep = check_sweep(cfg["sweep"], drafter.shape.draft_vocab_size)
     encoded = []
     for prompt in prompts:
         text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
@@ -316,28 +330,33 @@ def run_benchmark(
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
-    rows, ngram_rows = measure(engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder)
+    rows, ngram_rows, sweep_rows = measure(
+        engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep
+    )
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
 
     summary = summarise(rows, cfg["draft_tokens"])
     check = None
+    timing_dtype = str(model.dtype).removeprefix("torch.")
     if model.dtype != torch.float32:  # timed in the serving dtype: losslessness is proved in float32 on the same prompts
-        timing_dtype = str(model.dtype).removeprefix("torch.")
-        check = float32_check(target_dir, drafter_dir_or_model, encoded, cfg, stop_ids_of(model, tokenizer), device, trust_remote_code)
+        check = float32_check(target_dir, drafter_dir_or_model, encoded, cfg, stop_ids_of(model, tokenizer), device, trust_remote_code, sweep)
         summary["agreement_in_timing_dtype"] = {"dtype": timing_dtype, "identical": sum(r["identical"] for r in rows), "checked": len(rows)}
-        summary["lossless"] = check["lossless"]
+        summary["lossless"] = not check["different"]  # the main chain's; the sweep block holds each setting's
     ngram = ngram_block(ngram_rows, cfg["draft_tokens"], summary["greedy_tokens_per_s"]) if ngram_rows else None
+    speedup_over_ngram = summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None
+    swept = sweep_block(sweep, sweep_rows, summary, cfg["draft_tokens"], ngram=ngram, speedup_over_ngram=speedup_over_ngram,
+                        check=check, timing_dtype=timing_dtype)
     result = {
         "benchmark": benchmark_name,
         **summary,
-        "speedup_over_ngram": summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None,
+        "speedup_over_ngram": speedup_over_ngram,
         "draft_tokens": cfg["draft_tokens"],
         "decoder": decoder,
         "decoder_fallback_reason": fallback,
         "max_new_tokens": cfg["max_new_tokens"],
         "min_acceptance_length": cfg["min_acceptance_length"],
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": timing_dtype,
         "device": str(model.device),
         "hardware": hardware_description(model.device),
         "torch": torch.__version__,
@@ -346,22 +365,27 @@ def run_benchmark(
         "template_sha256": template_sha256,
         "error": None,
         "ngram": ngram,
+        "sweep": swept,
         "parity": None,
         "float32_check": check,
         "per_prompt": rows,
     }
-    if check is not None and not check["lossless"]:
-        warnings.warn(
-            f"{benchmark_name}: in float32 the drafter's output differs from greedy on {len(check['different'])} prompt(s) "
-            f"({', '.join(d['id'] for d in check['different'][:5])}): that is a bug or an exact near-tie. Recorded as lossless: false."
-        )
-    for label, decoded in (("speculative", rows), ("n-gram", ngram_rows)):
-        different = [r["id"] for r in decoded if not r["identical"]]
-        if different and check is None:
-            warnings.warn(
-                f"{benchmark_name}: {label} output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
-                f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
-            )
+    if check is not None:
+        for label, different in (("the drafter", check["different"]), *((f"sweep setting {s['label']}", s["different"]) for s in check["sweep"])):
+            if different:
+                warnings.warn(
+                    f"{benchmark_name}: in float32 {label}'s output differs from greedy on {len(different)} prompt(s) "
+                    f"({', '.join(d['id'] for d in different[:5])}): that is a bug or an exact near-tie. Recorded as lossless: false."
+                )
+    else:
+        timed = [("speculative", rows), ("n-gram", ngram_rows), *((f"sweep setting {s['label']}", s["per_prompt"]) for s in (swept or {}).get("settings", []))]
+        for label, decoded in timed:
+            different = [r["id"] for r in decoded if not r["identical"]]
+            if different:
+                warnings.warn(
+                    f"{benchmark_name}: {label} output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
+                    f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
+                )
     mean = result["mean_acceptance_length"]
     drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
     result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=benchmark_name not in WHEEL_BENCHMARKS)

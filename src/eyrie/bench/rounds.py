@@ -29,6 +29,18 @@ def round_fields(plain, spec) -> dict:
     }
 
 
+def timed_row(prompt_id: str, plain, spec) -> dict:
+    """One prompt's speculative decode (a SpecResult), timed, against its plain greedy decode: a sweep setting's row."""
+    return {
+        "id": prompt_id,
+        "new_tokens": len(spec.tokens),
+        "tokens_per_s": len(spec.tokens) / spec.seconds,
+        "seconds": spec.seconds,
+        "target_forwards": spec.target_forwards,
+        **round_fields(plain, spec),
+    }
+
+
 def acceptance_summary(rows: list[dict], draft_tokens: int) -> dict:
     """Mean acceptance length, per-position acceptance rate, rounds and losslessness over rows of round_fields."""
     rounds = sum(r["rounds"] for r in rows)

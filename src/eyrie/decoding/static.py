@@ -374,7 +374,7 @@ class StaticEagle3:
         """Extend, draft k, verify, accept: every input and output is a static buffer; attention over `span` slots."""
         target, k = self.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
-        hidden = self.drafter.fc(self.ext_aux.to(self.dtype))  # (1, k+1, 3H) -> (1, k+1, H)
+        hidden = self.drafter.project_aux(self.ext_aux.to(self.dtype))  # (1, k+1, 3H) -> (1, k+1, H)
         out = self.forward(hidden, self.ext_ids, self.ext_start + self.offsets, span)
         out = out.index_select(1, self.ext_last)  # (1, 1, H): the last real row
         last = self.ext_start + self.ext_last  # (1,)
@@ -420,7 +420,7 @@ class StaticEagle3:
         count = len(prompt_ids)
         if count > 1:  # positions 0..P-2 eagerly; the last prompt position goes into the first round's extend
             ids = torch.tensor([prompt_ids[1:]], device=self.device)
-            self.forward(self.drafter.fc(aux[:, :-1].to(self.dtype)), ids, torch.arange(count - 1, device=self.device))
+            self.forward(self.drafter.project_aux(aux[:, :-1].to(self.dtype)), ids, torch.arange(count - 1, device=self.device))
         self.ext_aux[:, :1].copy_(aux[:, -1:])
         self.ext_ids[:, :1].copy_(first)
         self.ext_start.fill_(count - 1)

@@ -31,7 +31,13 @@ from eyrie.drafter.model import Eagle3Drafter
 
 
 class StaticTree:
-    """The buffers and graphs of tree rounds of one shape, for one drafter on one target."""
+    """The buffers and graphs of tree rounds of one shape, for one drafter on one target.
+
+    Tree rounds are CUDA graphs of unfused kernels, even where the target's compile=True fuses greedy steps and chain
+    rounds: inductor took minutes per setting over a whole tree round (S - 1 unrolled drafter steps with their sorts)
+    on the CPU and tens of seconds over the verify alone per attention span, and an H200 pipeline benchmark sweeping
+    six settings that way did not finish in 8 minutes. So a tree row's time is an upper bound of a fused engine's.
+    """
 
     def __init__(self, drafter: StaticEagle3, shape: TreeShape):
         if shape.topk > drafter.drafter.shape.draft_vocab_size:
@@ -57,6 +63,11 @@ class StaticTree:
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}
         self.nodes = nodes
+
+    def _verify(self, ids, slots, cos, sin, mask, span: int):
+        """(the target's token after each row (1, N), aux (1, N, 3H)) of a tree verify (see _round)."""
+        hidden, aux = self.target.run_layers(ids, slots, cos, sin, mask, span, aux_layers=self.drafter.aux_layers)
+        return self.target.model.lm_head(hidden).argmax(-1), aux
 
     # ---- drafting
 
@@ -111,7 +122,7 @@ class StaticTree:
         S, N = self.shape.steps, self.shape.draft_tokens
         target, drafter = self.target, self.drafter
         # Extend: the accepted positions' target features (rows past ext_last are padding the tree never sees).
-        hidden = drafter.drafter.fc(self.ext_aux.to(drafter.dtype))
+        hidden = drafter.drafter.project_aux(self.ext_aux.to(drafter.dtype))
         out = drafter.forward(hidden, self.ext_ids, self.ext_start + torch.arange(S + 1, device=drafter.device), span)
         out_root = out.index_select(1, self.ext_last)  # (1, 1, H)
         last = self.ext_start + self.ext_last  # position whose next token is target.token
@@ -137,8 +148,8 @@ class StaticTree:
         mask = mask.repeat(target.heads // target.kv_heads, 1)
         positions = current + verify_depths
         cos, sin = target.cos[positions][None, None], target.sin[positions][None, None]
-        hidden, aux = target.run_layers(verify_tokens[None], slots, cos, sin, mask, span, aux_layers=drafter.aux_layers)
-        predicted = target.model.lm_head(hidden).argmax(-1)[0]  # (N,)
+        predicted, aux = self._verify(verify_tokens[None], slots, cos, sin, mask, span)
+        predicted = predicted[0]  # (N,)
 
         # Accept: agreed[r] = the target predicted row r after its parent, all the way up.
         agreed = self.root
@@ -169,7 +180,7 @@ class StaticTree:
             self.target.position.zero_()  # warm-ups write slots from 0, later overwritten by the prefill
             self.ext_start.zero_()
             self.ext_last.zero_()
-            self.graphs[span] = Replay(functools.partial(self.target.step_function(self._round), span), self.target.use_graphs,
+            self.graphs[span] = Replay(functools.partial(self._round, span), self.target.use_graphs,
                                        self.target.capture_failures)
         return self.graphs[span]
 
@@ -182,7 +193,7 @@ class StaticTree:
         first, count = predicted[:, -1:], len(prompt_ids)
         if count > 1:  # positions 0..P-2 eagerly; the last prompt position goes into the first round's extend
             ids = torch.tensor([prompt_ids[1:]], device=drafter.device)
-            drafter.forward(drafter.drafter.fc(aux[:, :-1].to(drafter.dtype)), ids, torch.arange(count - 1, device=drafter.device))
+            drafter.forward(drafter.drafter.project_aux(aux[:, :-1].to(drafter.dtype)), ids, torch.arange(count - 1, device=drafter.device))
         self.ext_aux[:, :1].copy_(aux[:, -1:])
         self.ext_ids[:, :1].copy_(first)
         self.ext_start.fill_(count - 1)

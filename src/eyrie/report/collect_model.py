@@ -10,6 +10,7 @@ stage wrote inconsistently, is a warning in its section, never an exception.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ import numpy as np
 
 from eyrie.core.artifacts import ArtifactError, read_safetensors_manifest
 from eyrie.report.formats import fmt_num, show
-from eyrie.report.serve import serve_command
+from eyrie.report.serve import serve_command, setting_command
 from eyrie.report.values import distinct, number, rate, warn
+from eyrie.target.serving import eagle3_flags
 
 PLOT_POINTS = 400  # curves are thinned to about this many points: enough to read, light enough to embed
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -266,16 +268,19 @@ def _training_log(path: Path, warnings: list) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- benchmarks
 
 
-def bench_section(paths: list[str], warnings: list) -> dict[str, Any]:
-    """The benchmarks: one row per JSON (not built when missing), with a unique anchor each."""
-    rows = [_bench_row(p, warnings) for p in paths]
+def bench_section(paths: list[str], warnings: list, config: dict | None = None, drafter: str | None = None) -> dict[str, Any]:
+    """The benchmarks: one row per JSON (not built when missing), with a unique anchor each.
+
+    config and drafter (the drafter directory) go into the SGLang command serving a sweep's recommended setting.
+    """
+    rows = [_bench_row(p, warnings, config or {}, drafter) for p in paths]
     for i, row in enumerate(rows):
         row["anchor"] = f"bench-{i + 1}"  # names come from the files and may repeat; anchors must not
     measured = [r for r in rows if r["built"] and r["measured"]]
     return {"rows": rows, "measured": [r["name"] for r in measured]}
 
 
-def _bench_row(path: str, warnings: list) -> dict[str, Any]:
+def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> dict[str, Any]:
     name = Path(path).stem
     if not Path(path).exists():
         return {"name": name, "path": path, "built": False, "measured": False, "error": None}
@@ -335,6 +340,9 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
     row["parity"] = _parity_figures(data.get("parity"))
     check = data.get("float32_check")  # present when the run was timed in another dtype than float32
     row["float32_check"] = {k: check.get(k) for k in ("identical", "checked")} if isinstance(check, dict) else None
+    # The sweep over drafting settings: absent from JSONs written before it existed, and null when bench.sweep is empty.
+    sweep = data.get("sweep") if prompts and isinstance(data.get("sweep"), dict) else None
+    row["sweep"] = _sweep_figures(sweep, row, config, drafter or data.get("drafter"), warnings) if sweep else None
     by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
     for p in row["per_prompt"]:
         p["ngram"] = by_id.get(str(p["id"]))
@@ -347,6 +355,60 @@ def _bench_row(path: str, warnings: list) -> dict[str, Any]:
         where = ", ".join(f"{d['id']} at new token {d['at']}" for d in ngram["divergences"][:5]) or "no per-prompt detail"
         warn(warnings, "bench", f"{name}: n-gram output differs from plain greedy on {len(ngram['divergences'])} of {ngram['checked']} prompts ({where}); speculative decoding must be lossless")
     return row
+
+
+def _sweep_figures(data: dict, bench: dict, config: dict, drafter_dir: str | None, warnings: list) -> dict[str, Any]:
+    """A benchmark's sweep block: the main chain and each setting side by side, the recommended one and the command serving it."""
+    best = data.get("best") if isinstance(data.get("best"), dict) else None
+    main = data.get("main") if isinstance(data.get("main"), dict) else None
+    rows = []
+    if main:  # the main chain's acceptance per position and losslessness are the benchmark's own
+        rows.append(_sweep_setting(main, True, bench["acceptance_rate_per_position"], bench["lossless"], bench["divergences"], bench["checked"], best))
+    for setting in data.get("settings") or []:
+        if not isinstance(setting, dict):
+            continue
+        checked = len([p for p in setting.get("per_prompt") or [] if isinstance(p, dict)])
+        different = [{"id": str(d.get("id")), "at": d.get("at")} for d in setting.get("different") or [] if isinstance(d, dict)]
+        rates = [number(r) for r in setting.get("acceptance_rate_per_depth") or []]
+        figures = _sweep_setting(setting, False, rates, setting.get("lossless"), different, checked, best)
+        rows.append(figures)
+        if figures["lossless"] is False:
+            where = ", ".join(f"{d['id']} at new token {d['at']}" for d in different[:5]) or "no per-prompt detail"
+            warn(warnings, "bench", f"{bench['name']}: sweep setting {figures['label']} output differs from plain greedy on {len(different)} of {checked} "
+                                    f"prompts ({where}); speculative decoding must be lossless")
+    figures = {"rows": rows, "lossless_checked_in": data.get("lossless_checked_in"), "best": None, "sglang_flags": None,
+               "command": None, "command_lines": None, "command_error": None}
+    if best and all(isinstance(best.get(key), int) for key in ("steps", "topk", "draft_tokens")):
+        figures["best"] = next((r for r in rows if r["recommended"]), None) or _sweep_setting(best, bool(best.get("main_chain")), [], True, [], None, best)
+        figures["sglang_flags"] = str(data.get("sglang_flags") or shlex.join(eagle3_flags(best["steps"], best["topk"], best["draft_tokens"])))
+        if drafter_dir:
+            figures.update(setting_command(config, str(drafter_dir), best))
+    return figures
+
+
+def _sweep_setting(data: dict, main: bool, rates: list, lossless, different: list, checked: int | None, best: dict | None) -> dict[str, Any]:
+    """One row of the sweep table: a setting (or the main chain) as measured, and whether it is the recommended one."""
+    setting = {key: data.get(key) for key in ("steps", "topk", "draft_tokens")}
+    speedup, over_ngram = number(data.get("speedup")), number(data.get("speedup_over_ngram"))
+    valid = all(isinstance(v, int) for v in setting.values())
+    return {
+        "label": str(data.get("label") or "?"),
+        **setting,
+        "main": main,
+        "mean_acceptance_length": number(data.get("mean_acceptance_length")),
+        "acceptance_rate_per_depth": rates,
+        "tokens_per_s": number(data.get("tokens_per_s")),
+        "speedup": speedup,
+        "slower": speedup is not None and speedup < 1,
+        "speedup_over_ngram": over_ngram,
+        "slower_than_ngram": over_ngram is not None and over_ngram < 1,
+        "lossless": lossless,
+        "identical": None if checked is None else checked - len(different),
+        "checked": checked,
+        "divergences": different,
+        "flags": shlex.join(eagle3_flags(*setting.values())) if valid else None,
+        "recommended": bool(best) and main == bool(best.get("main_chain")) and all(best.get(k) == v for k, v in setting.items()),
+    }
 
 
 def _parity_figures(data) -> dict[str, Any] | None:

@@ -1,9 +1,12 @@
-"""The SGLang command that serves the target with the trained drafter, as the drafter section shows it.
+"""The SGLang and vLLM commands that serve the target with the trained drafter, as the drafter section shows them.
 
-The command itself is built by eyrie.target.serving.launch_command, the one place that knows
-SGLang's flags; this module only chooses what goes into it: the target directory the pipeline
-uses, the config's engine.sglang settings, and the chain length k the benchmarks measured
-(bench.draft_tokens from the config, or the schema's default, before any benchmark ran).
+The commands themselves are built by eyrie.target.serving (launch_command, vllm_command,
+vllm_speculators_command), the one place that knows the engines' flags; this module only chooses
+what goes into them: the target directory the pipeline uses, the config's engine.sglang settings,
+the drafter's dtype (an explicit --dtype for both engines), and the chain length k the benchmarks
+measured (bench.draft_tokens from the config, or the schema's default, before any benchmark ran).
+A benchmark's sweep recommends its own (S, K, N): `setting_command` serves that one. The
+speculators-format export (results/drafter-speculators) gets its own vLLM command once built.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from typing import Any
 
 from eyrie.core.errors import EyrieError
 from eyrie.core.schema import section_defaults
+from eyrie.drafter.speculators_export import export_dir_for
 from eyrie.report.values import distinct, warn
-from eyrie.target.serving import HOST, launch_command
+from eyrie.target.serving import HOST, VLLM_PORT, launch_command, serving_dtype, vllm_command, vllm_speculators_command
 
 SERVE_PORT = 30000  # SGLang's default port, for the command shown on the page
 
@@ -30,12 +34,35 @@ def serve_command(config: dict, drafter_dir: str, bench: dict, warnings: list) -
         "serve_draft_tokens": draft_tokens,
         "serve_draft_tokens_source": source,
     }
+    figures.update(_vllm_figures(config, drafter_dir, draft_tokens, warnings))
     try:
-        command = _launch_command(config, drafter_dir, draft_tokens)
+        command = _launch_command(config, drafter_dir, draft_tokens, 1, draft_tokens + 1)
     except (EyrieError, OSError, ValueError) as err:
         warn(warnings, "drafter", f"no SGLang command for this drafter: {err}")
         return figures
     return {**figures, "serve_command": shlex.join(command), "serve_command_lines": _continued_lines(command)}
+
+
+def _vllm_figures(config: dict, drafter_dir: str, draft_tokens: int, warnings: list) -> dict[str, Any]:
+    """{serve_vllm_command(_lines), serve_vllm_port, serve_dtype(_source), serve_speculators_dir, serve_vllm_speculators_command(_lines)}."""
+    sglang = ((config.get("engine") or {}).get("sglang")) or {}
+    export_dir = str(export_dir_for(drafter_dir))
+    figures: dict[str, Any] = {"serve_vllm_command": None, "serve_vllm_command_lines": None, "serve_vllm_port": VLLM_PORT, "serve_dtype": None, "serve_dtype_source": None,
+                               "serve_speculators_dir": export_dir, "serve_vllm_speculators_command": None, "serve_vllm_speculators_command_lines": None}
+    try:
+        dtype = serving_dtype(drafter_dir, sglang.get("dtype"))
+        command = vllm_command(_target_path(config), drafter_dir, draft_tokens, dtype=dtype)
+    except (EyrieError, OSError, ValueError) as err:
+        warn(warnings, "drafter", f"no vLLM command for this drafter: {err}")
+        return figures
+    explicit = sglang.get("dtype") not in (None, "auto")
+    figures.update(serve_dtype=dtype, serve_dtype_source="engine.sglang.dtype from the config" if explicit else "the drafter's own dtype (config.json torch_dtype)",
+                   serve_vllm_command=shlex.join(command), serve_vllm_command_lines=_continued_lines(command))
+    try:
+        speculators = vllm_speculators_command(export_dir, dtype=dtype)
+    except (EyrieError, OSError, ValueError):
+        return figures  # not exported (yet): `snakemake results/drafter-speculators` builds it
+    return {**figures, "serve_vllm_speculators_command": shlex.join(speculators), "serve_vllm_speculators_command_lines": _continued_lines(speculators)}
 
 
 def _draft_tokens(config: dict, bench: dict, warnings: list) -> tuple[int, str]:
@@ -51,9 +78,19 @@ def _draft_tokens(config: dict, bench: dict, warnings: list) -> tuple[int, str]:
     return int(section_defaults("bench")["draft_tokens"]), "the default chain length (no benchmark measured yet)"
 
 
-def _launch_command(config: dict, drafter_dir: str, draft_tokens: int) -> list[str]:
+def setting_command(config: dict, drafter_dir: str, setting: dict) -> dict[str, Any]:
+    """{command, command_lines, command_error}: the launch command serving one (steps, topk, draft_tokens) setting."""
+    try:
+        command = _launch_command(config, drafter_dir, setting["steps"], setting["topk"], setting["draft_tokens"])
+    except (EyrieError, OSError, ValueError, KeyError, TypeError) as err:
+        return {"command": None, "command_lines": None, "command_error": str(err)}
+    return {"command": shlex.join(command), "command_lines": _continued_lines(command), "command_error": None}
+
+
+def _launch_command(config: dict, drafter_dir: str, steps: int, topk: int, draft_tokens: int) -> list[str]:
+    """SGLang serving the drafter with --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens."""
     sglang = ((config.get("engine") or {}).get("sglang")) or {}
-    speculative = {"algorithm": "EAGLE3", "draft_model_path": drafter_dir, "num_steps": draft_tokens, "eagle_topk": 1, "num_draft_tokens": draft_tokens + 1}
+    speculative = {"algorithm": "EAGLE3", "draft_model_path": drafter_dir, "num_steps": steps, "eagle_topk": topk, "num_draft_tokens": draft_tokens}
     return launch_command(
         _serving_model_path(config),
         SERVE_PORT,
@@ -76,6 +113,12 @@ def _continued_lines(command: list[str]) -> str:
         else:
             groups[-1].append(arg)
     return " \\\n    ".join(shlex.join(group) for group in groups)
+
+
+def _target_path(config: dict) -> str:
+    """The target directory the pipeline uses (rules/common.smk model_dir)."""
+    model = config.get("model") or {}
+    return str(model.get("path") or f"resources/models/{model.get('name') or 'unknown'}")
 
 
 def _serving_model_path(config: dict) -> str:
