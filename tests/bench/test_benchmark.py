@@ -165,6 +165,8 @@ def test_timing_in_bfloat16_proves_losslessness_in_float32_on_the_same_prompts(t
     assert check["dtype"] == "float32" and check["checked"] == 1 and check["different"] == [] and check["lossless"] is True
     assert result["lossless"] is True  # the verdict is float32's
     assert result["agreement_in_timing_dtype"]["dtype"] == "bfloat16" and result["agreement_in_timing_dtype"]["checked"] == 1
+    assert "largest_margin_at_divergence" in result["agreement_in_timing_dtype"]
+    assert all("margin_at_divergence" in row for row in result["per_prompt"])
 
 
 def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):

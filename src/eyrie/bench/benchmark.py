@@ -24,6 +24,7 @@ import platform
 import warnings
 from pathlib import Path
 
+from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
 from eyrie.bench.parity import parity
@@ -236,15 +237,17 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
 
 
 def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None,
-            sweep: list = ()) -> tuple[list[dict], list[dict], list[list[dict]]]:
+            sweep: list = (), greedy_paths: dict | None = None) -> tuple[list[dict], list[dict], list[list[dict]]]:
     """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, then each sweep setting (TreeShapes), on each
     (id, prompt ids): a row per prompt for the drafter, one for the n-gram and, per setting, one for that setting.
 
     `model` is a transformers model or a StaticLlama around one (see open_decoder): every decoder uses it.
-    They all run back to back on each prompt, so drift over the run hits them alike.
+    They all run back to back on each prompt, so drift over the run hits them alike. greedy_paths, when given,
+    receives each prompt's greedy tokens.
     """
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
+    greedy_paths = {} if greedy_paths is None else greedy_paths
     # Warm up every decoder once, so the first timed prompt pays no one-time costs (allocations, kernel choice, graph capture).
     greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
     speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
@@ -254,6 +257,7 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
     rows, ngram_rows, sweep_rows = [], [], [[] for _ in sweep]
     for prompt_id, prompt_ids in prompts:
         plain = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
+        greedy_paths[prompt_id] = plain.tokens
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
         if ngram:
@@ -330,8 +334,9 @@ def run_benchmark(
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
+    greedy_paths = {}
     rows, ngram_rows, sweep_rows = measure(
-        engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep
+        engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep, greedy_paths
     )
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
@@ -341,7 +346,10 @@ def run_benchmark(
     timing_dtype = str(model.dtype).removeprefix("torch.")
     if model.dtype != torch.float32:  # timed in the serving dtype: losslessness is proved in float32 on the same prompts
         check = float32_check(target_dir, drafter_dir_or_model, encoded, cfg, stop_ids_of(model, tokenizer), device, trust_remote_code, sweep)
-        summary["agreement_in_timing_dtype"] = {"dtype": timing_dtype, "identical": sum(r["identical"] for r in rows), "checked": len(rows)}
+        add_margins(model, rows, dict(encoded), greedy_paths)  # how near a tie greedy was where each chain decode parted
+        margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]
+        summary["agreement_in_timing_dtype"] = {"dtype": timing_dtype, "identical": sum(r["identical"] for r in rows), "checked": len(rows),
+                                                "largest_margin_at_divergence": max(margins, default=None)}
         summary["lossless"] = not check["different"]  # the main chain's; the sweep block holds each setting's
     ngram = ngram_block(ngram_rows, cfg["draft_tokens"], summary["greedy_tokens_per_s"]) if ngram_rows else None
     speedup_over_ngram = summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None
