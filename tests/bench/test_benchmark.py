@@ -400,3 +400,17 @@ def test_parity_needs_a_recorded_prediction(tmp_path):
     (tmp_path / "old" / "config.json").write_text(json.dumps({"eyrie": {}}))
     assert parity(tmp_path / "old", 1.2, 3, 0.15, gated=True)["simulated"] is None  # trained before training recorded it
     assert parity(None, 1.2, 3, 0.15, gated=True)["simulated"] is None  # an in-memory drafter
+
+
+def test_floor_block_times_greedy_beside_the_minimal_step(tmp_path, model_dir, drafter):
+    """bench.floor: true on the CPU: both decoders ran on the same prompt, the ratio is theirs; auto leaves it out on the CPU."""
+    cfg = {**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "ngram": False, "sweep": []}
+    result = run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[:1], benchmark_name="local",
+                           bench_cfg={**cfg, "floor": True}, out_path=tmp_path / "bench.json", device="cpu")
+    floor = result["floor"]
+    assert floor["error"] is None and floor["prompt"] == PROMPTS[0]["id"] and floor["new_tokens"] == 6
+    assert floor["floor_ms_per_token"] > 0 and floor["greedy_ms_per_token"] > 0
+    assert abs(floor["ratio"] - floor["greedy_ms_per_token"] / floor["floor_ms_per_token"]) < 1e-9
+    auto = run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[:1], benchmark_name="local",
+                         bench_cfg=cfg, out_path=tmp_path / "auto.json", device="cpu")
+    assert auto["floor"] is None

@@ -287,6 +287,8 @@ BENCH = {
         "speedup_over_ngram": 43.5 / 40.1,
         "float32_check": {"dtype": "float32", "checked": 2, "identical": 2, "different": [], "lossless": True},
         "agreement_in_timing_dtype": {"dtype": "bfloat16", "identical": 1, "checked": 2, "largest_margin_at_divergence": 0.0712},
+        "floor": {"prompt": "s9", "prompt_tokens": 40, "new_tokens": 256, "compiled": True, "floor_ms_per_token": 1.475,
+                  "greedy_ms_per_token": 1.716, "ratio": 1.716 / 1.475, "capture_failures": [], "error": None},
         "parity": {"k": 4, "simulated": 2.6, "measured": 2.37, "gap": 1 - 2.37 / 2.6, "max_gap": 0.15, "judged": True, "not_judged_because": None,
                    "source": "held-out cache samples", "eval_samples": 12, "error": None},
         "ngram": {  # the prompt-lookup baseline beside the drafter
@@ -499,6 +501,8 @@ def test_full_report_puts_the_measured_acceptance_beside_trainings_prediction(fu
     assert "Train-to-serve parity" not in humaneval  # its JSON predates the gate
     assert "losslessness checked in float32 on the same prompts (2 of 2 identical); in bfloat16, 1 of 2 identical to greedy" in sharegpt
     assert "top two logits were at most 0.071 apart" in sharegpt
+    assert "Plain greedy ran at 1.716 ms per token, <strong>1.16×</strong> a minimal fused, graphed Llama step" in sharegpt
+    assert "a minimal fused" not in humaneval
     assert "losslessness checked in float32" not in humaneval  # timed in float32 (or written before the check existed)
 
 

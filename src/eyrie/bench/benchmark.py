@@ -24,6 +24,7 @@ import platform
 import warnings
 from pathlib import Path
 
+from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
@@ -342,6 +343,9 @@ def run_benchmark(
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
 
     summary = summarise(rows, cfg["draft_tokens"])
+    floor = None
+    if cfg["floor"] is True or (cfg["floor"] == "auto" and model.device.type == "cuda"):
+        floor = floor_block(model, engine, *encoded[0], cfg["max_new_tokens"], compile=bool(getattr(engine, "compile", False)))
     check = None
     timing_dtype = str(model.dtype).removeprefix("torch.")
     if model.dtype != torch.float32:  # timed in the serving dtype: losslessness is proved in float32 on the same prompts
@@ -373,6 +377,7 @@ def run_benchmark(
         "template_sha256": template_sha256,
         "error": None,
         "ngram": ngram,
+        "floor": floor,  # greedy against a minimal fused step on the same weights (bench.floor), or None
         "sweep": swept,
         "parity": None,
         "float32_check": check,

@@ -1,0 +1,32 @@
+"""Greedy on the benchmark's engine against the floor (eyrie.decoding.floor), timed side by side in one process.
+
+Speedups measured on an engine several times slower than the hardware allows are not the speedups a user's engine
+will show, so the benchmark records how far its greedy is from a minimal fused step on the same weights and prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from eyrie.decoding.decode import greedy_decode
+from eyrie.decoding.floor import FloorDecoder
+from eyrie.decoding.graphs import cuda_graphs_usable
+from eyrie.decoding.static import StaticLlama, round_up
+
+WARMUPS, REPEATS = 2, 3
+
+
+def floor_block(model, engine, prompt_id: str, prompt_ids: list[int], new_tokens: int, compile: bool) -> dict:
+    """ms per greedy token of the floor and of `engine` (decode steps only, median of REPEATS after WARMUPS) and their ratio."""
+    if not isinstance(engine, StaticLlama):
+        return {"error": f"the floor is compared with the static decoder; this run used {getattr(engine, 'label', 'transformers')}"}
+    floor = FloorDecoder(model, round_up(len(prompt_ids) + new_tokens + 2), compile=compile, graphs=cuda_graphs_usable(engine.device))
+    runs = [floor.decode(prompt_ids, new_tokens) for _ in range(WARMUPS + REPEATS)][WARMUPS:]
+    floor_ms = 1000 * statistics.median(seconds for _, seconds in runs) / (new_tokens - 1)
+    # greedy_decode times its prefill too: take a prefill-only run's median off.
+    greedy = [greedy_decode(engine, prompt_ids, new_tokens, set()).seconds for _ in range(WARMUPS + REPEATS)][WARMUPS:]
+    prefill = statistics.median(greedy_decode(engine, prompt_ids, 1, set()).seconds for _ in range(REPEATS))
+    greedy_ms = 1000 * (statistics.median(greedy) - prefill) / (new_tokens - 1)
+    return {"prompt": prompt_id, "prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "compiled": compile,
+            "floor_ms_per_token": floor_ms, "greedy_ms_per_token": greedy_ms, "ratio": greedy_ms / floor_ms,
+            "capture_failures": floor.failures, "error": None}
