@@ -17,7 +17,11 @@ include: "rules/bench.smk"
 include: "rules/report.smk"
 
 
+# The default target asks for every planned file, not only report.html: Snakemake rebuilds a missing intermediate
+# only for a job that must run, and an up-to-date report.html needs none. So after a kill or a deleted file,
+# `snakemake --cores all --rerun-incomplete` (no target) rebuilds what is gone and what is made from it;
+# `eyrie verify` also finds corrupt files and prints the command that forces them.
 rule all:
     default_target: True
     input:
-        "report.html",
+        [planned.path for planned in PLANNED if planned.kept],

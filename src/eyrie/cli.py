@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eyrie.core.errors import EyrieError
 
@@ -23,6 +24,16 @@ def _check_config(args) -> None:
     print(f"{args.config}: valid ({len(checked['datasets'])} datasets, model {checked['model']['name']})")
 
 
+def _verify(args) -> int:
+    from eyrie import config as cfg
+    from eyrie.verify import format_verification, verify_workspace
+
+    config_path = args.config or str(Path(args.directory) / "config.yaml")
+    result = verify_workspace(cfg.load(config_path), args.directory, config_path, quick=args.quick)
+    print(format_verification(result))
+    return 0 if result.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyrie", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -36,13 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--config", default="config.yaml")
     check.set_defaults(run=_check_config)
 
+    verify = commands.add_parser(
+        "verify",
+        help="every planned file: missing, corrupt (digest, readability) or stale, and the snakemake command that rebuilds them",
+    )
+    verify.add_argument("--config", default=None, help="default: config.yaml in the working directory")
+    verify.add_argument("--directory", "-d", default=".", help="the pipeline's working directory")
+    verify.add_argument("--quick", action="store_true", help="read headers and footers only, skip hashing every byte")
+    verify.set_defaults(run=_verify)
+
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        return args.run(args) or 0
     except EyrieError as err:
         print(f"eyrie: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,14 @@ _Validator = _with_defaults(jsonschema.Draft202012Validator)
 
 def _describe(error: jsonschema.ValidationError) -> str:
     where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    if error.validator in ("anyOf", "oneOf"):
+        # "a path or null": say what the branch of the value's own type wanted, not "not valid under any".
+        specific = [e for e in error.context or [] if e.validator != "type"]
+        if specific:
+            return _describe(specific[0])
+    if error.validator == "pattern" and "patternError" in error.schema:
+        # A name or path: the schema says in words what the regex allows. propertyNames errors sit on the parent.
+        return f"{where}: {json.dumps(error.instance)} is not allowed: {error.schema['patternError']}"
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         return f"{where}: {error.message}; allowed keys here: {', '.join(allowed)}"

@@ -5,6 +5,9 @@ throughput come from finished turns (final shards and partial logs); before anyt
 they come from the config's `plan` guesses, and the output says so. The range printed with
 the total combines the uncertainty of the mean reply length with the spread of throughput
 between shards, so a user sees how much to trust the number.
+
+It also owns the list of every file a config plans (`planned_outputs`): the Snakefile's default target
+(`rule all`) asks for all of them, and `eyrie verify` checks each one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,67 @@ from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.generation.partial import PartialLog
 
 Z90 = 1.645  # two-sided 90% normal quantile
+
+
+# --------------------------------------------------------------------------- every file a config plans
+
+WHEEL_BENCHMARKS = ("humaneval", "mtbench")  # benchmarks whose prompts come from a wheel, each configured under bench
+
+
+@dataclass(frozen=True, slots=True)  # slots: 40,000 of them at 10,000 shards, made on every Snakefile parse
+class Planned:
+    """One file (or directory) the pipeline writes for a config, relative to the working directory."""
+
+    path: str
+    rule: str  # the rule that writes it
+    inputs: tuple[str, ...] = ()  # planned files it is made from: newer ones make it stale, as they do for Snakemake
+    kept: bool = True  # False: temporary (hidden.keep: false), deleted once the drafter is trained
+
+
+def model_dir(config: dict) -> str:
+    """The target's HF directory: the user's own, or the one built from the GGUF wheel."""
+    return config["model"]["path"] or f"resources/models/{config['model']['name']}"
+
+
+def benchmark_names(config: dict) -> list[str]:
+    """Every dataset that holds prompts out, then the wheel benchmarks the bench section configures."""
+    held_out = [d for d in sorted(config["datasets"]) if config["datasets"][d]["heldout_fraction"] > 0]
+    return held_out + [name for name in WHEEL_BENCHMARKS if config["bench"][name]]
+
+
+def planned_outputs(config: dict) -> list[Planned]:
+    """Every file the pipeline writes for this config, from the prompt shards to report.html, in build order.
+
+    The same paths as the rules in rules/*.smk (tests/test_verify.py checks them against Snakemake's own DAG).
+    Downloads and the converted model under resources/ are not listed: they are inputs, fetched again when a job
+    needs them.
+    """
+    datasets = sorted(config["datasets"])
+    shards = {d: cfg.shard_names(config, d) for d in datasets}
+    kept_hidden = config["hidden"].get("keep", True)
+    planned: list[Planned] = []
+    for d in datasets:
+        planned += [Planned(f"results/prompts/{d}/{s}.parquet", f"build_prompts_{d}") for s in shards[d]]
+        planned += [Planned(f"results/prompts/{d}/{name}", f"build_prompts_{d}") for name in ("heldout.parquet", "summary.json")]
+    for d in datasets:
+        for s in shards[d]:
+            completions, tokens = f"results/completions/{d}/{s}.parquet", f"results/tokens/{d}/{s}.parquet"
+            planned.append(Planned(completions, "regenerate_shard", (f"results/prompts/{d}/{s}.parquet",)))
+            planned.append(Planned(tokens, "tokenize_shard", (completions,)))
+    tokens = tuple(p.path for p in planned if p.rule == "tokenize_shard")
+    planned.append(Planned("results/vocab/draft_vocab.safetensors", "build_draft_vocab", tokens))
+    hidden = tuple(f"results/hidden/{d}/{s}.safetensors" for d in datasets for s in shards[d])
+    planned += [Planned(h, "extract_hidden", (t,), kept=kept_hidden) for h, t in zip(hidden, tokens)]
+    # A temporary cache is gone once training is done: it cannot make the drafter look stale.
+    planned.append(Planned("results/drafter", "train_drafter", (hidden if kept_hidden else ()) + ("results/vocab/draft_vocab.safetensors",)))
+    planned.append(Planned("results/drafter-speculators", "export_speculators", ("results/drafter",)))
+    for name in benchmark_names(config):
+        rule = f"benchmark_{name}" if name in WHEEL_BENCHMARKS else "benchmark_heldout"
+        prompts = () if name in WHEEL_BENCHMARKS else (f"results/prompts/{name}/heldout.parquet",)
+        planned.append(Planned(f"results/bench/{name}.json", rule, ("results/drafter",) + prompts))
+    upstream = tuple(p.path for p in planned if p.kept and not (p.rule.startswith("build_prompts_") and p.path.endswith(".parquet")))
+    planned.append(Planned("report.html", "write_report", upstream))
+    return planned
 
 
 @dataclass
@@ -145,12 +209,12 @@ def measured_rates(shards: list[ShardPlan], config: dict) -> Rates:
 
 def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, dict]:
     workdir = Path(workdir)
-    model_dir = workdir / (config["model"]["path"] or f"resources/models/{config['model']['name']}")
+    target = workdir / model_dir(config)
     model_fp = None
-    if (model_dir / "config.json").exists():
+    if (target / "config.json").exists():
         from eyrie.target.model import model_fingerprint
 
-        model_fp = model_fingerprint(model_dir)
+        model_fp = model_fingerprint(target)
     shards = [plan_shard(workdir, config, d, s, model_fp) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]
     rates = measured_rates(shards, config)
 

@@ -93,3 +93,24 @@ def test_the_block_weighs_by_tokens_and_recommends_among_lossless_settings_and_t
     fast_main = sweep_block(shapes, rows, {**summary, "spec_tokens_per_s": 9.0}, 3, timing_dtype="float32")
     assert fast_main["best"]["main_chain"] is True and fast_main["sglang_flags"].endswith("--speculative-num-draft-tokens 4")
     assert sweep_block([], [], summary, 3) is None
+
+
+def test_a_sweep_over_fewer_prompts_compares_greedy_and_the_chain_on_those_prompts():
+    """bench.sweep_prompts: speedups and the main chain candidate come from the swept prompts only."""
+    from eyrie.bench.sweep import sweep_block
+    from eyrie.decoding.tree import TreeShape
+
+    def row(pid, greedy_s, spec_s):
+        return {"id": pid, "new_tokens": 10, "spec_new_tokens": 10, "greedy_seconds": greedy_s, "spec_seconds": spec_s, "identical": True,
+                "acceptance_lengths": [2] * 5, "accepted_per_position": [5, 0], "rounds": 5}
+
+    main_rows = [row("a", 1.0, 0.5), row("b", 10.0, 20.0)]  # the chain is 2x on a, 0.5x on b
+    setting = [{"id": "a", "new_tokens": 10, "tokens_per_s": 10 / 0.25, "seconds": 0.25, "identical": True,
+                "acceptance_lengths": [3] * 3 + [1], "accepted_per_position": [3, 3], "rounds": 4, "first_divergence": None}]
+    summary = {"greedy_tokens_per_s": 20 / 11, "spec_tokens_per_s": 20 / 20.5, "speedup": 11 / 20.5, "lossless": True,
+               "mean_acceptance_length": 2.0}
+    block = sweep_block([TreeShape(2, 2, 4)], [setting], summary, 2, main_rows=main_rows)
+    assert block["prompts"] == 1
+    assert block["settings"][0]["speedup"] == 40 / 10  # against greedy on prompt a (10 tok/s), not over both prompts
+    assert block["main"]["tokens_per_s"] == 20 and block["main"]["speedup"] == 2.0
+    assert block["best"]["label"] == "tree 2-2-4"

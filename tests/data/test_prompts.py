@@ -114,7 +114,7 @@ def test_written_files_match_schema_sorted_by_id_and_empty_shards_exist(tmp_path
 def test_summary_has_every_key(tmp_path):
     summary = build(tmp_path, [RawRecord("line 1", sharegpt("a", ("human", "x")))])
     assert list(summary) == ["dataset", "source", "format", "records_read", "bad_records", "bad_examples", "duplicates",
-                             "usable", "limit", "used", "heldout", "train", "shards", "truncation", "roles_seen"]
+                             "usable", "limit", "used", "heldout", "train", "shards", "truncation", "roles_seen", "eyrie_digest"]
     assert summary["truncation"] is None and summary["source"] == "<records>"
 
 

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from eyrie.drafter.checkpoint import CheckpointError, checkpoint_tensors, load_drafter, serving_config, write_checkpoint
+from eyrie.core.atomic import write_json_atomically
+from eyrie.drafter.checkpoint import CheckpointError, check_checkpoint, checkpoint_tensors, load_drafter, serving_config, write_checkpoint
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 
 
@@ -64,7 +65,10 @@ def test_written_directory_is_complete_and_readable_by_others(tmp_path):
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and config["norm_before_residual"] is False
     load_drafter(directory, torch.randn(50, 32))
     config["eagle_aux_hidden_state_layer_ids"] = [1, 14, 26]
-    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(json.dumps(config))  # edited by hand: its recorded digest no longer holds
+    with pytest.raises(CheckpointError, match=r"config\.json: its content does not match the digest .* --force .*drafter"):
+        load_drafter(directory, torch.randn(50, 32))
+    write_json_atomically(directory / "config.json", config)  # written with a fresh digest: the ids themselves are refused
     with pytest.raises(CheckpointError, match="disagree"):
         load_drafter(directory, torch.randn(50, 32))
 
@@ -75,3 +79,26 @@ def test_ids_not_starting_at_1_warn_when_written(tmp_path):
         warnings.simplefilter("always")
         write_checkpoint(tmp_path / "drafter", model.shape.sglang_config(), checkpoint_tensors(model), [])
     assert any("SGLang versions disagree" in str(w.message) for w in caught)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor_and_the_file(tmp_path):
+    model = drafter(shape())
+    tensors = checkpoint_tensors(model)
+    tensors["fc.weight"][0, :3] = float("nan")
+    tensors["lm_head.weight"][1, 0] = float("inf")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: .*fc\.weight holds 3 non-finite values.*lm_head\.weight holds 1 non-finite"):
+        write_checkpoint(tmp_path / "drafter", model.shape.sglang_config(), tensors, [])
+    assert not (tmp_path / "drafter").exists()  # nothing written
+    with pytest.raises(CheckpointError, match=r"here\.safetensors: .*fc\.weight holds 3 non-finite"):
+        check_checkpoint(tensors, model.shape, "here.safetensors")
+
+
+def test_training_log_digest_lives_in_config_json_and_is_checked(tmp_path):
+    model = drafter(shape())
+    directory = tmp_path / "drafter"
+    write_checkpoint(directory, model.shape.sglang_config(), checkpoint_tensors(model), [{"step": 1, "loss": 2.0}])
+    config = json.loads((directory / "config.json").read_text())
+    assert config["eyrie"]["files"]["training_log.json"].startswith("sha256:") and config["eyrie_digest"].startswith("sha256:")
+    (directory / "training_log.json").write_text(json.dumps([{"step": 1, "loss": 0.5}]))
+    with pytest.raises(CheckpointError, match=r"training_log\.json: its content does not match the digest .*config\.json recorded"):
+        load_drafter(directory, torch.randn(50, 32))

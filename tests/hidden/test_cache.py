@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from eyrie.core.digest import DigestMismatchError, verify
 from eyrie.core.errors import ContractError
 from eyrie.data.tokens import TOKENS_SCHEMA
 from eyrie.hidden.cache import HiddenCacheMismatchError, check_manifest, load_hidden, read_manifest
@@ -83,6 +84,7 @@ def test_writer_settles_its_own_size_for_any_length(tmp_path):
         writer.close()
         assert path.stat().st_size == manifest["file_bytes"]
         assert read_manifest(path) == manifest
+        assert verify(path) == writer.digest and writer.digest.startswith("xxh3-128:")  # sealed once every byte was written
         loaded = load_file(str(path))
         assert torch.equal(loaded["a"], values) and loaded["b"].sum() == tokens
 
@@ -261,6 +263,23 @@ def test_manifest_and_file(caches, target, template):
     # 3H + H bf16 values, an int32 id and an int8 mask per token; the rest is offsets and the header.
     assert manifest["bytes_per_token"] > 8 * 576 + 5
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_an_extracted_cache_records_its_digest_and_a_changed_byte_is_refused_naming_the_rebuild(caches, tmp_path):
+    from eyrie.hidden.cache import HiddenCacheError, convert_cache
+
+    source = caches["bf16"][2]
+    assert verify(source).startswith("xxh3-128:")
+    damaged = tmp_path / "0000.safetensors"
+    data = bytearray(source.read_bytes())
+    data[-100] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(HiddenCacheError, match=rf"{damaged}: its content does not match .*extract_hidden job.*--force {damaged}"):
+        load_hidden(damaged)
+    with pytest.raises(HiddenCacheError, match="does not match"):
+        convert_cache(damaged, tmp_path / "fp8.safetensors", "float8_e4m3fn")
+    with pytest.raises(DigestMismatchError):
+        verify(damaged)
 
 
 def test_template_mismatch_refused(target, token_shard, tmp_path):

@@ -1063,8 +1063,8 @@ def test_simulated_acceptance_round_trips_through_config_json_and_old_drafters_r
     assert read_simulated_acceptance(tmp_path / "drafter") == written == summary["simulated_acceptance"]
     assert [simulated_length(written, k) for k in (1, 2, 3, 4)] == [*written["length"], None]
     assert config["eyrie"]["train"]["eval_fraction"] == 0.05 and "metrics" in config["eyrie"]  # every earlier key stays
-    # A drafter trained before the simulation existed: no summary, no error.
-    del config["eyrie"]["simulated_acceptance"]
+    # A drafter trained before the simulation existed: no summary, no error (and no content digest: older still).
+    del config["eyrie"]["simulated_acceptance"], config["eyrie_digest"]
     config_path.write_text(json.dumps(config))
     assert read_simulated_acceptance(tmp_path / "drafter") is None and simulated_length(None, 2) is None
 

@@ -44,6 +44,10 @@ class DrafterNotEngagedError(BenchmarkError):
     """The measured mean acceptance length is below bench.min_acceptance_length."""
 
 
+class NonFiniteDrafterError(BenchmarkError):
+    """The drafter's logits are NaN or infinite: there is nothing to measure."""
+
+
 class ParityGapError(BenchmarkError):
     """The measured acceptance length is further below training's prediction than bench.max_parity_gap."""
 
@@ -67,12 +71,12 @@ WHEEL_BENCHMARKS = ("humaneval", "mtbench")
 
 def load_heldout_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """The first `limit` held-out prompts (results/prompts/{dataset}/heldout.parquet, sorted by id)."""
-    import pyarrow.parquet as pq
+    from eyrie.core.artifacts import read_parquet
 
     path = Path(path)
     if not path.is_file():
         raise InputFileError(f"{path}: no held-out prompts file; run the prompts stage for this dataset")
-    rows = pq.read_table(path, columns=["id", "messages"]).to_pylist()
+    rows = read_parquet(path, ["id", "messages"], written_by=f"build_prompts_{path.parent.name}").to_pylist()
     return [{"id": row["id"], "messages": row["messages"]} for row in rows[:limit]]
 
 
@@ -146,10 +150,35 @@ def check_template(tokenizer, target_dir, expected: str | None, drafter_config: 
 
 
 def read_drafter_config(drafter_dir) -> dict:
+    from eyrie.drafter.checkpoint import read_drafter_config as read_checked  # names the file and how to rebuild it
+
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise BenchmarkError(f"{drafter_dir}: not a drafter directory (no config.json); run the train stage first")
-    return json.loads(path.read_text())
+    return read_checked(drafter_dir)
+
+
+def check_drafter_logits(model, drafter, prompt_ids: list[int], label: str) -> None:
+    """Refuse a drafter whose logits on the first prompt are NaN or infinite: its drafts would all be rejected, and
+    the benchmark would report acceptance 1.0 of a broken drafter as a measurement."""
+    import torch
+
+    from eyrie.decoding.transformers_path import TransformersVerifier
+    from eyrie.drafter.model import DraftCache
+
+    with torch.inference_mode():
+        first, aux = TransformersVerifier(model, list(drafter.shape.aux_layer_ids)).prefill(prompt_ids)
+        ids = torch.tensor([list(prompt_ids[1:]) + [first]], device=drafter.fc.weight.device)  # position p reads token p + 1
+        hidden = drafter.project_aux(aux.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype))
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        logits, _ = drafter.decode(hidden, ids, positions, DraftCache())
+        bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise NonFiniteDrafterError(
+            f"{label}: the drafter's logits on the first prompt hold {bad} non-finite values (NaN or infinity) of {logits.numel()}: "
+            "it cannot draft, so nothing is measured. Retrain it (snakemake --cores all --force results/drafter && "
+            "snakemake --cores all report.html); if it recurs, the hidden-state cache or the training diverged: see the training log"
+        )
 
 
 def stop_ids_of(model, tokenizer) -> set[int]:
@@ -238,13 +267,13 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
 
 
 def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None,
-            sweep: list = (), greedy_paths: dict | None = None) -> tuple[list[dict], list[dict], list[list[dict]]]:
+            sweep: list = (), greedy_paths: dict | None = None, sweep_prompts: int | None = None) -> tuple[list[dict], list[dict], list[list[dict]]]:
     """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, then each sweep setting (TreeShapes), on each
     (id, prompt ids): a row per prompt for the drafter, one for the n-gram and, per setting, one for that setting.
 
     `model` is a transformers model or a StaticLlama around one (see open_decoder): every decoder uses it.
     They all run back to back on each prompt, so drift over the run hits them alike. greedy_paths, when given,
-    receives each prompt's greedy tokens.
+    receives each prompt's greedy tokens. The sweep decodes the first `sweep_prompts` prompts (None: all).
     """
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
@@ -256,14 +285,15 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
         ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
     warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, sweep)
     rows, ngram_rows, sweep_rows = [], [], [[] for _ in sweep]
-    for prompt_id, prompt_ids in prompts:
+    for index, (prompt_id, prompt_ids) in enumerate(prompts):
         plain = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
         greedy_paths[prompt_id] = plain.tokens
+        swept = sweep if sweep_prompts is None or index < sweep_prompts else []
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
         if ngram:
             ngram_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, draft_tokens)))
-        for setting_rows, row in zip(sweep_rows, decode_settings(model, drafter, prompt_id, prompt_ids, plain, max_new_tokens, stop_ids, sweep)):
+        for setting_rows, row in zip(sweep_rows, decode_settings(model, drafter, prompt_id, prompt_ids, plain, max_new_tokens, stop_ids, swept)):
             setting_rows.append(row)
     return rows, ngram_rows, sweep_rows
 
@@ -281,12 +311,13 @@ def float32_check(target_dir, drafter_dir_or_model, encoded, cfg: dict, stop_ids
     model, _, drafter, _, _ = load_models(target_dir, drafter_dir_or_model, "float32", device, None, trust_remote_code)
     engine, _, _ = open_bench_decoder(model, {**cfg, "compile": False}, encoded)  # untimed: not worth compiling
     different, sweep_rows = [], [[] for _ in sweep]
-    for prompt_id, prompt_ids in encoded:
+    for index, (prompt_id, prompt_ids) in enumerate(encoded):
         plain = greedy_decode(engine, prompt_ids, cfg["max_new_tokens"], stop_ids)
         spec = speculative_decode(engine, drafter, prompt_ids, cfg["max_new_tokens"], stop_ids, cfg["draft_tokens"]).tokens
+        swept = sweep if cfg["sweep_prompts"] is None or index < cfg["sweep_prompts"] else []
         if spec != plain.tokens:
             different.append({"id": prompt_id, "at": first_divergence(plain.tokens, spec)})
-        for setting_rows, row in zip(sweep_rows, decode_settings(engine, drafter, prompt_id, prompt_ids, plain, cfg["max_new_tokens"], stop_ids, sweep)):
+        for setting_rows, row in zip(sweep_rows, decode_settings(engine, drafter, prompt_id, prompt_ids, plain, cfg["max_new_tokens"], stop_ids, swept)):
             setting_rows.append(row)
     settings = verdicts(sweep, sweep_rows)
     return {"dtype": "float32", "checked": len(encoded), "identical": len(encoded) - len(different), "different": different,
@@ -332,12 +363,14 @@ def run_benchmark(
     for prompt in prompts:
         text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
         encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
+    check_drafter_logits(model, drafter, encoded[0][1], drafter_label)
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
     greedy_paths = {}
     rows, ngram_rows, sweep_rows = measure(
-        engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep, greedy_paths
+        engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep, greedy_paths,
+        cfg["sweep_prompts"],
     )
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
@@ -358,7 +391,7 @@ def run_benchmark(
     ngram = ngram_block(ngram_rows, cfg["draft_tokens"], summary["greedy_tokens_per_s"]) if ngram_rows else None
     speedup_over_ngram = summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None
     swept = sweep_block(sweep, sweep_rows, summary, cfg["draft_tokens"], ngram=ngram, speedup_over_ngram=speedup_over_ngram,
-                        check=check, timing_dtype=timing_dtype)
+                        check=check, timing_dtype=timing_dtype, main_rows=rows, ngram_rows=ngram_rows)
     result = {
         "benchmark": benchmark_name,
         **summary,

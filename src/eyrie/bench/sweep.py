@@ -143,15 +143,30 @@ def recommend(candidates: list[dict]) -> dict | None:
 
 
 def sweep_block(shapes: list, rows_per_setting: list[list[dict]], summary: dict, draft_tokens: int, *, ngram: dict | None = None,
-                speedup_over_ngram: float | None = None, check: dict | None = None, timing_dtype: str | None = None) -> dict | None:
+                speedup_over_ngram: float | None = None, check: dict | None = None, timing_dtype: str | None = None,
+                main_rows: list[dict] | None = None, ngram_rows: list[dict] | None = None) -> dict | None:
     """The JSON's `sweep` block; None when bench.sweep is empty.
 
     check: the float32 check of a run timed in another dtype; its per-setting verdicts then decide losslessness,
     as its chain verdict decides the main one, and each setting keeps its timed dtype's agreement beside it.
+    main_rows, ngram_rows: the per-prompt rows of the main chain and the n-gram; when the sweep decoded only some
+    prompts (bench.sweep_prompts), greedy, the main chain and the n-gram are taken over those same prompts, so every
+    speedup and the recommendation compare like with like.
     """
     if not shapes:
         return None
     ngram_tokens_per_s = ngram["tokens_per_s"] if ngram else None
+    swept = {r["id"] for r in rows_per_setting[0]}
+    if main_rows is not None and swept != {r["id"] for r in main_rows}:
+        same = [r for r in main_rows if r["id"] in swept]
+        greedy = sum(r["new_tokens"] for r in same) / sum(r["greedy_seconds"] for r in same)
+        chain = sum(r["spec_new_tokens"] for r in same) / sum(r["spec_seconds"] for r in same)
+        summary = {**summary, "greedy_tokens_per_s": greedy, "spec_tokens_per_s": chain, "speedup": chain / greedy,
+                   **acceptance_summary(same, draft_tokens), "lossless": summary["lossless"]}
+        if ngram_rows:
+            lookup = [r for r in ngram_rows if r["id"] in swept]
+            ngram_tokens_per_s = sum(r["new_tokens"] for r in lookup) / sum(r["seconds"] for r in lookup)
+            speedup_over_ngram = chain / ngram_tokens_per_s
     settings = [setting_figures(s, rows, summary["greedy_tokens_per_s"], ngram_tokens_per_s) for s, rows in zip(shapes, rows_per_setting)]
     if check is not None:
         for figures, verdict in zip(settings, check["sweep"]):
@@ -162,6 +177,7 @@ def sweep_block(shapes: list, rows_per_setting: list[list[dict]], summary: dict,
     best = recommend([main, *settings])
     return {
         "lossless_checked_in": "float32" if check is not None else timing_dtype,
+        "prompts": len(swept),
         "settings": settings,
         "main": main,
         "best": None if best is None else {**{key: best[key] for key in CANDIDATE_KEYS}, "main_chain": best is main},

@@ -1,7 +1,8 @@
 """Write-then-rename: readers, and a job killed mid-write, see the old file or the new one, never half of one.
 
 Every file and directory eyrie produces goes through `write_atomically` or `write_directory_atomically`;
-each caller passes its own writer.
+each caller passes its own writer. The Parquet, safetensors and JSON writers record the file's content
+digest in it (eyrie.core.digest) before the rename, so a file in place always carries its digest.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import shutil
 import uuid
 from pathlib import Path
 from typing import Callable
+
+from eyrie.core.digest import DIGEST_KEY, SHA256, json_with_digest, placeholder, seal
 
 READABLE = 0o644  # artifacts are read by other users too (a server running under its own account)
 
@@ -59,21 +62,32 @@ def write_text_atomically(path: str | Path, text: str) -> None:
 
 
 def write_json_atomically(path: str | Path, value, indent: int | None = 2) -> None:
-    write_text_atomically(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n")
+    """A JSON object records its digest under eyrie_digest, and `value` gains the same key (what was written
+    reads back equal to it); a list is written as it is."""
+    text = json_with_digest(value, indent) if isinstance(value, dict) else json.dumps(value, indent=indent, ensure_ascii=False) + "\n"
+    write_text_atomically(path, text)
 
 
-def write_parquet_atomically(table, path: str | Path) -> None:
+def write_parquet_atomically(table, path: str | Path, digest: str = SHA256) -> None:
+    """The table, with its digest in the footer's key-value metadata (the table's schema metadata is kept as is)."""
     import pyarrow.parquet as pq
 
-    write_atomically(path, lambda temporary: pq.write_table(table, temporary))
+    def write(temporary: Path) -> None:
+        with pq.ParquetWriter(str(temporary), table.schema) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata({DIGEST_KEY: placeholder(digest)})
+        seal(temporary, "parquet")
+
+    write_atomically(path, write)
 
 
-def write_safetensors_atomically(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors written straight to disk (no second copy in memory), readable by others."""
+def write_safetensors_atomically(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None, digest: str = SHA256) -> None:
+    """safetensors written straight to disk (no second copy in memory), readable by others, its digest in the header."""
     from safetensors.torch import save_file
 
     def write(temporary: Path) -> None:
-        save_file(tensors, str(temporary), metadata=metadata)
+        save_file(tensors, str(temporary), metadata={**(metadata or {}), DIGEST_KEY: placeholder(digest)})
+        seal(temporary, "safetensors")
         os.chmod(temporary, READABLE)  # save_file creates 0600
 
     write_atomically(path, write)

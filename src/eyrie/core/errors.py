@@ -31,5 +31,9 @@ class InputFileError(EyrieError):
     """The whole input file is unusable (missing, empty, unreadable format)."""
 
 
+class ArtifactError(InputFileError):
+    """An artifact eyrie wrote cannot be read, carries broken eyrie metadata, or no longer matches its content digest."""
+
+
 class ContractError(EyrieError):
     """Two stages disagree (template, target, layer ids, shapes): continuing would waste the work downstream."""

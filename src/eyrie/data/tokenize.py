@@ -1,6 +1,7 @@
 """The tokenize job: turn a completions shard into a token shard (input_ids and an assistant-only loss mask).
 
-The token shard's schema and reader belong to eyrie.data.tokens.
+The token shard's schema and reader belong to eyrie.data.tokens. The completions shard is read whole,
+its content digest checked first (eyrie.core.artifacts.read_parquet).
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from eyrie.core.artifacts import PARQUET_KEY, read_parquet_metadata
+from eyrie.core.artifacts import PARQUET_KEY, parquet_metadata, read_parquet
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ContractError
 from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.generation.conversations import WRITTEN_BY as COMPLETIONS_WRITTEN_BY
 from eyrie.target.chat_template import tokenize_conversation
 
 
@@ -24,14 +25,15 @@ def answered_messages(messages: list[dict]) -> list[dict]:
 
 
 def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_sha256: str, max_seq_len: int) -> dict:
-    source = read_parquet_metadata(completions_path)
+    completions = read_parquet(completions_path, written_by=COMPLETIONS_WRITTEN_BY)
+    source = parquet_metadata(completions.schema.metadata, completions_path)
     if source.get("template_sha256") not in (None, template_sha256):
         raise ContractError(
             f"{completions_path}: was generated with chat template {source['template_sha256'][:12]}, "
             f"but the tokenizer's template is {template_sha256[:12]}; regenerate or point model.path at the same target"
         )
     rows, dropped, truncated = [], {}, 0
-    for record in pq.read_table(completions_path).to_pylist():
+    for record in completions.to_pylist():
         messages = answered_messages(record["messages"])
         if not messages:
             dropped["no_assistant_reply"] = dropped.get("no_assistant_reply", 0) + 1

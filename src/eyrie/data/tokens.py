@@ -3,7 +3,9 @@
 A token shard (``results/tokens/<dataset>/<shard>.parquet``, written by the tokenize job,
 eyrie.data.tokenize) holds one row per conversation: ``input_ids`` and an assistant-only
 ``loss_mask`` of the same length, with the chat template's fingerprint in its ``eyrie`` metadata.
-Extraction and the draft vocabulary read it through ``read_tokens`` and ``shard_template``.
+Extraction and the draft vocabulary read it through ``read_tokens`` (the content digest checked first,
+eyrie.core.digest) and ``shard_template``; a shard that cannot be read is an ArtifactError naming the
+file, the job that wrote it and the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from eyrie.core.artifacts import read_parquet_metadata
+from eyrie.core.artifacts import read_parquet, read_parquet_metadata
 
 TOKENS_SCHEMA = pa.schema(
     [
@@ -29,6 +30,7 @@ TOKENS_SCHEMA = pa.schema(
         ("truncated", pa.bool_()),
     ]
 )
+WRITTEN_BY = "tokenize_shard"  # the Snakemake rule that writes a token shard, named in read errors
 
 
 class TokenColumns(NamedTuple):
@@ -42,13 +44,13 @@ class TokenColumns(NamedTuple):
 
 def shard_template(path: str | Path) -> str | None:
     """The chat template fingerprint the shard was tokenized with (None when it records none)."""
-    return read_parquet_metadata(path).get("template_sha256")
+    return read_parquet_metadata(path, written_by=WRITTEN_BY).get("template_sha256")
 
 
 def read_tokens(path: str | Path, error: type[Exception], with_ids: bool = True) -> TokenColumns:
     """input_ids, loss_mask and offsets of every sample; raises `error` (the caller's stage error) when a row's
     input_ids and loss_mask differ in length."""
-    table = pq.read_table(str(path), columns=(["id"] if with_ids else []) + ["input_ids", "loss_mask"])
+    table = read_parquet(path, (["id"] if with_ids else []) + ["input_ids", "loss_mask"], written_by=WRITTEN_BY)
     ids_col = table.column("input_ids").combine_chunks()
     mask_col = table.column("loss_mask").combine_chunks()
     lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -4,8 +4,9 @@ Draft id i stands for target id ``draft_ids[i]``. SGLang's EAGLE-3 loader reads 
 OFFSETS (target id = i + d2t[i]), not as the target ids themselves: storing the ids is a known
 failure that loads without complaint and drafts garbage. ``t2d`` is a bool mask over the target
 vocabulary, True at the kept ids. Both are stored, plus the counts they came from, in one
-safetensors file (never pickle) with a JSON manifest in its metadata. The build job
-(eyrie.data.build_vocab) chooses the ids by assistant-token frequency.
+safetensors file (never pickle) with a JSON manifest and its content digest in its metadata
+(eyrie.core.digest; load_draft_vocab checks it). The build job (eyrie.data.build_vocab) chooses the
+ids by assistant-token frequency.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from eyrie.core.artifacts import MANIFEST_KEY, ArtifactError, read_safetensors_manifest
+from eyrie.core.artifacts import MANIFEST_KEY, ArtifactError, load_safetensors, read_safetensors_manifest, rebuild_hint
 from eyrie.core.atomic import write_safetensors_atomically
 from eyrie.core.errors import EyrieError
+
+WRITTEN_BY = "build_draft_vocab"  # the Snakemake rule that writes the draft vocabulary, named in read errors
 
 
 class VocabError(EyrieError):
@@ -71,19 +74,17 @@ def write_draft_vocab(path: str | Path, draft_ids: np.ndarray, counts: np.ndarra
 
 
 def load_draft_vocab(path: str | Path):
-    """(d2t int64 [Vd], t2d bool [V], manifest dict), checked to agree."""
-    from safetensors.torch import load_file
-
+    """(d2t int64 [Vd], t2d bool [V], manifest dict), the file checked against its digest, d2t and t2d checked to agree."""
     try:
-        manifest = read_safetensors_manifest(path, "eyrie draft vocabulary")
+        manifest = read_safetensors_manifest(path, "eyrie draft vocabulary", written_by=WRITTEN_BY)
+        tensors = load_safetensors(path, written_by=WRITTEN_BY)
     except ArtifactError as exc:
         raise VocabError(str(exc)) from None
-    tensors = load_file(str(path))
     for key in ("d2t", "t2d"):
         if key not in tensors:
-            raise VocabError(f"{path}: has no {key!r} tensor")
+            raise VocabError(f"{path}: has no {key!r} tensor; {rebuild_hint(WRITTEN_BY, path)}")
     try:
         check_vocab(tensors["d2t"], tensors["t2d"])
     except VocabError as exc:
-        raise VocabError(f"{path}: {exc}") from None
+        raise VocabError(f"{path}: {exc}; {rebuild_hint(WRITTEN_BY, path)}") from None
     return tensors["d2t"], tensors["t2d"], manifest

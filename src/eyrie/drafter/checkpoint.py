@@ -11,6 +11,10 @@ V2 runner never looks at the nested key). ``norm_before_residual`` is written fa
 reading defaults it to true), the EAGLE-3.1 flags as trained, ``hidden_act`` silu (the drafter's MLP
 is SiLU whatever the target uses). Every file is written 0644: a server under another account reads it.
 
+Every file records its content digest (eyrie.core.digest): config.json and model.safetensors in
+their own metadata, training_log.json (a JSON list) in config.json's ``eyrie.files``. load_drafter
+checks them all, and check_checkpoint refuses NaN or infinite weights as it refuses a wrong shape.
+
 config.json's ``eyrie.simulated_acceptance`` is training's prediction of the served chain acceptance
 (eyrie.training.acceptance): for each chain length k = 1..ttt_steps the expected acceptance length,
 bonus token counted, simulated on held-out cache samples. The benchmark reads it here
@@ -26,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from eyrie.core.artifacts import ArtifactError, load_safetensors, read_json, rebuild_hint
 from eyrie.core.atomic import READABLE, write_directory_atomically, write_json_atomically, write_safetensors_atomically
+from eyrie.core.digest import FILES_KEY, file_digest, verify_recorded_files
 from eyrie.core.errors import EyrieError
 from eyrie.drafter.model import ARCHITECTURE, DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import AuxLayerError, sglang_version_caveat, vllm_layer_ids
@@ -35,14 +41,16 @@ SIMULATED_ACCEPTANCE = "simulated_acceptance"  # the key under config.json's eyr
 _ACCEPTANCE_LISTS = ("length", "per_step_accuracy")  # one entry per k, a number or null (no positions to measure)
 _OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length")
 READABLE_DIRECTORY = 0o755  # the drafter directory itself: listable by a server under another account
+WRITTEN_BY = "train_drafter"  # the Snakemake rule that writes the drafter directory, named in read errors
 
 
 class CheckpointError(EyrieError):
     """A drafter directory or its tensors are not what SGLang loads as an EAGLE-3 drafter."""
 
 
-def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape) -> None:
-    """Every key SGLang expects, nothing else, each of the right shape: SGLang skips unknown names silently."""
+def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape, where: str | Path | None = None) -> None:
+    """Every key SGLang expects, nothing else, each of the right shape, and every weight finite: SGLang skips unknown names
+    silently, and serves NaN weights as a drafter whose every draft is rejected. `where` (the file) prefixes the error."""
     expected = shape.expected_tensors()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -53,13 +61,17 @@ def check_checkpoint(tensors: dict[str, torch.Tensor], shape: DrafterShape) -> N
                 problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {dims}")
             if dtype is not None and tensors[name].dtype != dtype:
                 problems.append(f"{name} has dtype {tensors[name].dtype}, expected {dtype}")
+            if tensors[name].is_floating_point() and not bool(torch.isfinite(tensors[name]).all()):
+                bad = int((~torch.isfinite(tensors[name])).sum())
+                problems.append(f"{name} holds {bad} non-finite values (NaN or infinity) of {tensors[name].numel()}")
     if "fc.weight" in tensors and tensors["fc.weight"].shape[-1] != 3 * shape.target_hidden_size:
         problems.append(
             f"fc takes {tensors['fc.weight'].shape[-1]} inputs, but EAGLE-3 needs 3 x target hidden = {3 * shape.target_hidden_size} "
             "(three concatenated aux states, not the final state)"
         )
     if problems:
-        raise CheckpointError("drafter checkpoint does not match SGLang's EAGLE-3 layout: " + "; ".join(problems))
+        prefix = f"{where}: " if where is not None else ""
+        raise CheckpointError(f"{prefix}drafter checkpoint is not a servable EAGLE-3 drafter in SGLang's layout: " + "; ".join(problems))
 
 
 def checkpoint_tensors(model: Eagle3Drafter, weight_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -114,15 +126,17 @@ def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch
     """
     config_path = Path(out_dir) / "config.json"
     config = serving_config(config, config_path)
-    check_checkpoint(tensors, DrafterShape.from_sglang_config(config))
+    check_checkpoint(tensors, DrafterShape.from_sglang_config(config), Path(out_dir) / "model.safetensors")
     caveat = sglang_version_caveat(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     if caveat:
         warnings.warn(f"{config_path}: {caveat}", stacklevel=2)
 
     def write(directory: Path) -> None:
-        write_json_atomically(directory / "config.json", config, indent=2)
         write_safetensors_atomically(tensors, directory / "model.safetensors", {"format": "pt"})
         write_json_atomically(directory / "training_log.json", training_log, indent=1)
+        # config.json last: it records the digest of training_log.json, a JSON list with no field of its own.
+        config.setdefault("eyrie", {})[FILES_KEY] = {"training_log.json": file_digest(directory / "training_log.json")}
+        write_json_atomically(directory / "config.json", config, indent=2)
         for path in directory.iterdir():
             os.chmod(path, READABLE)  # whatever the umask: a server under another account reads these
         os.chmod(directory, READABLE_DIRECTORY)
@@ -130,25 +144,40 @@ def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch
     write_directory_atomically(out_dir, write)
 
 
-def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor) -> Eagle3Drafter:
-    """A trained drafter (config.json + model.safetensors, safetensors only), checked, in eval mode."""
-    from safetensors.torch import load_file
+def read_drafter_config(drafter_dir: str | Path) -> dict:
+    """config.json of a drafter directory, checked against its digest; every failure names the file and how to rebuild it."""
+    config_path = Path(drafter_dir) / "config.json"
+    try:
+        config = read_json(config_path, written_by=WRITTEN_BY, rebuild=drafter_dir)
+    except ArtifactError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: is a JSON {type(config).__name__}, not an object")
+    return config
 
+
+def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor) -> Eagle3Drafter:
+    """A trained drafter (config.json + model.safetensors, safetensors only), its files checked against their digests,
+    its tensors checked, in eval mode."""
     drafter_dir = Path(drafter_dir)
     config_path, weights_path = drafter_dir / "config.json", drafter_dir / "model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
-        raise CheckpointError(f"{drafter_dir}: not a drafter directory (needs config.json and model.safetensors)")
-    config = json.loads(config_path.read_text())
+        raise CheckpointError(f"{drafter_dir}: not a drafter directory (needs config.json and model.safetensors); {rebuild_hint(WRITTEN_BY, drafter_dir)}")
+    config = read_drafter_config(drafter_dir)
+    try:
+        verify_recorded_files(drafter_dir, config)  # training_log.json, by the digest config.json records
+    except ArtifactError as exc:
+        raise CheckpointError(f"{exc}; {rebuild_hint(WRITTEN_BY, drafter_dir)}") from None
+    try:
+        tensors = load_safetensors(weights_path, written_by=WRITTEN_BY, rebuild=drafter_dir)
+    except ArtifactError as exc:
+        raise CheckpointError(str(exc)) from None
     if config.get("architectures") != [ARCHITECTURE]:
         raise CheckpointError(f"{config_path}: architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
     if config.get("eagle_aux_hidden_state_layer_ids") is not None:  # drafters written before serving_config have none
         serving_config(config, config_path)  # the two engines' ids must name the same layers
     shape = DrafterShape.from_sglang_config(config)
-    tensors = load_file(str(weights_path))
-    try:
-        check_checkpoint(tensors, shape)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{weights_path}: {exc}") from None
+    check_checkpoint(tensors, shape, weights_path)
     if tuple(target_embeddings.shape) != (shape.vocab_size, shape.hidden_size):
         raise CheckpointError(
             f"{drafter_dir}: target embeddings have shape {tuple(target_embeddings.shape)}, "
@@ -193,13 +222,8 @@ def check_simulated_acceptance(summary, where: str | Path) -> dict:
 def read_simulated_acceptance(drafter_dir: str | Path) -> dict | None:
     """config.json's eyrie.simulated_acceptance, checked; None for a drafter trained before training wrote it."""
     config_path = Path(drafter_dir) / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CheckpointError(f"{config_path}: cannot read the drafter's config ({exc})") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{config_path}: not JSON ({exc})") from None
-    own = config.get("eyrie") if isinstance(config, dict) else None
+    config = read_drafter_config(drafter_dir)
+    own = config.get("eyrie")
     if not isinstance(own, dict) or SIMULATED_ACCEPTANCE not in own:
         return None
     return check_simulated_acceptance(own[SIMULATED_ACCEPTANCE], config_path)

@@ -5,7 +5,8 @@ job, eyrie.generation.regenerate) holds one record per prompt in ``COMPLETIONS_S
 shard runs, each finished turn is one partial-log row (``make_row``), keyed by (prompt id, turn);
 a ``Conversation`` holds one prompt's user turns and the rows answered so far. ``settings_key``
 names the partial log and ``stable_seed`` a request's sampling seed, so a rerun reuses and
-redraws exactly what the first run did.
+redraws exactly what the first run did. ``load_conversations`` reads a prompt shard (written by the
+prompts job) with its content digest checked first (eyrie.core.artifacts.read_parquet).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from eyrie.core.artifacts import read_parquet
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 COMPLETIONS_SCHEMA = pa.schema(
@@ -38,6 +41,7 @@ PROMPT_TOO_LONG = "prompt_too_long"
 # rejection costs nothing, and one caused by a misconfigured server must not stick).
 ERROR = "error"
 ENDS_CONVERSATION = (PROMPT_TOO_LONG, ERROR)
+WRITTEN_BY = "regenerate_shard"  # the Snakemake rule that writes a completions shard, named in read errors
 
 
 def settings_key(settings: dict, model_fingerprint: str) -> str:
@@ -81,7 +85,8 @@ class Conversation:
 def load_conversations(prompts_path: str, max_turns: int) -> list[Conversation]:
     """A prompt shard's prompts, nothing answered yet: the leading system turn and at most max_turns user turns."""
     conversations = []
-    for record in pq.read_table(prompts_path).to_pylist():
+    prompts = read_parquet(prompts_path, written_by=f"build_prompts_{Path(prompts_path).parent.name}")
+    for record in prompts.to_pylist():
         system = [m for m in record["messages"] if m["role"] == "system"][:1]
         users = [m["content"] for m in record["messages"] if m["role"] == "user"][:max_turns]
         conversations.append(Conversation(record["id"], system, users))

@@ -6,8 +6,10 @@ from them by eyrie.target.aux_layers (docs/DESIGN.md "Aux layers"), the only own
 One token shard becomes one safetensors file (written by the extract job, eyrie.hidden.extract);
 a JSON manifest in its metadata names the target, the chat template and the layers, so a cache
 from another target, template, layer set or width is refused instead of silently training a
-useless drafter. This module owns the layout: its storage dtypes and tensors, the streaming
-writer, the readers, the manifest check, and re-storing a cache in another dtype.
+useless drafter. The header also records the file's xxh3-128 content digest (eyrie.core.digest:
+a check costs one read of the file, where sha256 would cost 15 times the CPU), which the readers
+check before using a tensor. This module owns the layout: its storage dtypes and tensors, the
+streaming writer, the readers, the manifest check, and re-storing a cache in another dtype.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eyrie.core.artifacts import MANIFEST_KEY, ArtifactError, read_safetensors_manifest
+from eyrie.core.artifacts import MANIFEST_KEY, ArtifactError, check, load_safetensors, read_safetensors_manifest, rebuild_hint
 from eyrie.core.atomic import write_atomically
+from eyrie.core.digest import DIGEST_KEY, XXH3_128, placeholder, seal
 from eyrie.core.errors import ContractError, EyrieError
 from eyrie.target.aux_layers import AuxLayerError, capture_indices
 
@@ -28,6 +31,8 @@ TENSOR_NAMES = ("aux_hidden", "final_hidden", "input_ids", "loss_mask", "offsets
 # float8 caches store each state tensor with its scales (eyrie.hidden.fp8): name -> (scale tensor, blocks per row).
 SCALES = {"aux_hidden": ("aux_scale", 3), "final_hidden": ("final_scale", 1)}
 FP8_SCALES_NOTE = "per token and layer block: absmax / 448, float32; value = float(q) * scale"
+WRITTEN_BY = "extract_hidden"  # the Snakemake rule that writes a cache shard, named in read errors
+DIGEST = XXH3_128  # why not sha256: eyrie.core.digest
 
 
 class HiddenCacheError(EyrieError):
@@ -107,7 +112,9 @@ class SafetensorsWriter:
     shard (at 8B-target widths a shard's states are tens of GB). The layout is the format's own
     (8-byte little-endian header length, JSON header padded to 8 bytes, contiguous data), so the file
     loads with safetensors' own readers. Knowing the layout up front also gives the exact file size
-    for the manifest before anything is written.
+    for the manifest before anything is written. Once every byte of the data has been written,
+    close() records the file's content digest in the header's placeholder (eyrie.core.digest.seal);
+    a file left incomplete by a failure keeps the placeholder and is never renamed into place.
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], manifest: dict):
@@ -119,14 +126,15 @@ class SafetensorsWriter:
             nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
             self.entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
             begin += nbytes
-        self.data_bytes = begin
+        self.data_bytes, self.written_bytes, self.digest = begin, 0, None
         # file_bytes depends on the header, which holds the manifest, which holds file_bytes. Grow the guess
         # until the header fits in it; trailing spaces (legal in the header) fill any slack, so this settles.
         size = 0
         while True:
             manifest["file_bytes"] = size
             manifest["bytes_per_token"] = round(size / manifest["tokens"], 3) if manifest["tokens"] else 0.0
-            header = json.dumps({"__metadata__": {MANIFEST_KEY: json.dumps(manifest)}, **self.entries}, separators=(",", ":")).encode()
+            metadata = {MANIFEST_KEY: json.dumps(manifest), DIGEST_KEY: placeholder(DIGEST)}
+            header = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
             room = size - 8 - self.data_bytes
             if len(header) <= room:
                 header += b" " * (room - len(header))
@@ -148,18 +156,31 @@ class SafetensorsWriter:
         data = values.contiguous().view(-1).view(torch.uint8).numpy()
         self.file.seek(self.data_start + entry["data_offsets"][0] + row * row_bytes)
         self.file.write(memoryview(data))
+        self.written_bytes += data.nbytes
 
     def close(self) -> None:
+        """Close the file; when every byte of its data was written, record its content digest (self.digest)."""
         self.file.close()
+        if self.written_bytes >= self.data_bytes:
+            self.digest = seal(self.path, "safetensors")
 
 
 # --------------------------------------------------------------------------- reading
 
 
 def read_manifest(path: str | Path) -> dict:
-    """The manifest alone, from the safetensors header (no tensor is read)."""
+    """The manifest alone, from the safetensors header (no tensor is read, the digest is not checked)."""
     try:
-        return read_safetensors_manifest(path, "eyrie hidden-state cache")
+        return read_safetensors_manifest(path, "eyrie hidden-state cache", written_by=WRITTEN_BY)
+    except ArtifactError as exc:
+        raise HiddenCacheError(str(exc)) from None
+
+
+def check_cache(path: str | Path) -> str | None:
+    """Check a cache file against its recorded content digest (one read of the file): the digest, or None for a cache
+    written before eyrie recorded digests. Raises HiddenCacheError naming the file and the command that rebuilds it."""
+    try:
+        return check(path, "safetensors", written_by=WRITTEN_BY)
     except ArtifactError as exc:
         raise HiddenCacheError(str(exc)) from None
 
@@ -176,15 +197,16 @@ def load_hidden(path: str | Path, dequantize: bool = True):
     A float8 cache comes back dequantized to float32 aux_hidden/final_hidden (its scale tensors used
     up), unless dequantize=False, which returns the stored float8 values and their scales.
     """
-    from safetensors.torch import load_file
-
     from eyrie.hidden.fp8 import dequantize_blocks
 
     manifest = read_manifest(path)
-    tensors = load_file(str(path))
+    try:
+        tensors = load_safetensors(path, written_by=WRITTEN_BY)  # its digest checked first
+    except ArtifactError as exc:
+        raise HiddenCacheError(str(exc)) from None
     missing = [name for name in stored_names(manifest) if name not in tensors]
     if missing:
-        raise HiddenCacheError(f"{path}: missing tensors {missing}; rebuild the cache")
+        raise HiddenCacheError(f"{path}: missing tensors {missing}; {rebuild_hint(WRITTEN_BY, path)}")
     t, h, n = manifest["tokens"], manifest["hidden_size"], manifest["samples"]
     expected = {"aux_hidden": (t, 3 * h), "final_hidden": (t, h), "input_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,)}
     if is_fp8(manifest["dtype"]):
@@ -248,6 +270,7 @@ def convert_cache(src_path: str | Path, out_path: str | Path, dtype: str, rows_p
     out_dtype = storage_dtype(dtype)
     dtype_name = str(out_dtype).removeprefix("torch.")
     manifest = read_manifest(src_path)
+    check_cache(src_path)
     source_fp8 = is_fp8(manifest.get("dtype"))
     total, hidden, samples = int(manifest["tokens"]), int(manifest["hidden_size"]), int(manifest["samples"])
     manifest = {k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token", "scales")}

@@ -2,8 +2,10 @@
 
 Reads the prepare stage's summary.json files and the completion and token Parquet shards
 (only the columns the page counts, plus each shard's eyrie metadata), and sums them per shard,
-per dataset and overall. An input that cannot be read becomes a warning in its section, never
-an exception: the page still shows everything else.
+per dataset and overall. Each file is checked against its content digest first (eyrie.core.digest).
+An input that cannot be read, or no longer matches its digest, becomes a warning in its section
+naming the file and the command that rebuilds it, never an exception: the page still shows
+everything else.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie.core.artifacts import ArtifactError, parquet_metadata
+from eyrie.core.artifacts import ArtifactError, check, parquet_metadata, read_json
 from eyrie.report.formats import fmt_num
 from eyrie.report.values import distinct, rate, share, warn
 
@@ -36,9 +38,9 @@ def read_summaries(paths: Iterable[str], warnings: list) -> dict[str, dict]:
     summaries = {}
     for path in paths:
         try:
-            summary = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            warn(warnings, "datasets", f"could not read prompt summary {path}: {err}")
+            summary = read_json(path, written_by=f"build_prompts_{Path(path).parent.name}")
+        except ArtifactError as err:
+            warn(warnings, "datasets", f"could not read prompt summary {err}")
             continue
         if not isinstance(summary, dict):
             warn(warnings, "datasets", f"prompt summary {path} is not a JSON object")
@@ -49,16 +51,21 @@ def read_summaries(paths: Iterable[str], warnings: list) -> dict[str, dict]:
 
 def read_completions(paths: Iterable[str], warnings: list) -> list[dict]:
     """The completion shards that can be read (see _read_shard)."""
-    return [s for p in paths if (s := _read_shard(p, COMPLETION_COLUMNS, "regeneration", warnings))]
+    return [s for p in paths if (s := _read_shard(p, COMPLETION_COLUMNS, "regeneration", warnings, "regenerate_shard"))]
 
 
 def read_tokens(paths: Iterable[str], warnings: list) -> list[dict]:
     """The token shards that can be read (see _read_shard)."""
-    return [s for p in paths if (s := _read_shard(p, TOKEN_COLUMNS, "tokens", warnings))]
+    return [s for p in paths if (s := _read_shard(p, TOKEN_COLUMNS, "tokens", warnings, "tokenize_shard"))]
 
 
-def _read_shard(path: str, columns: Iterable[str], section: str, warnings: list) -> dict | None:
-    """One Parquet shard as {dataset, shard, meta, columns, records}; None (and a warning) if unreadable."""
+def _read_shard(path: str, columns: Iterable[str], section: str, warnings: list, written_by: str) -> dict | None:
+    """One Parquet shard as {dataset, shard, meta, columns, records}; None (and a warning) if unreadable or not as written."""
+    try:
+        check(path, "parquet", written_by=written_by)
+    except ArtifactError as err:
+        warn(warnings, section, f"could not read {err}")
+        return None
     try:
         parquet = pq.ParquetFile(path)
         present = set(parquet.schema_arrow.names)

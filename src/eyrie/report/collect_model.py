@@ -4,7 +4,9 @@ Safetensors artifacts are read by their header alone through eyrie.core.artifact
 vocabulary's `counts`, one int64 per target token, excepted: it draws the coverage curve); the
 drafter directory by its config.json and training_log.json; each benchmark by its JSON. A path
 that does not exist is a stage not built yet; one that exists but cannot be read, or that a
-stage wrote inconsistently, is a warning in its section, never an exception.
+stage wrote inconsistently, is a warning in its section, never an exception. JSON artifacts (the
+drafter's config.json, the training log through the digest config.json records, each benchmark) are
+checked against their content digests (eyrie.core.digest): a mismatch is such a warning too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from eyrie.core.artifacts import ArtifactError, read_safetensors_manifest
+from eyrie.core.artifacts import ArtifactError, read_json, read_safetensors_manifest
+from eyrie.core.digest import verify_recorded_files
 from eyrie.report.formats import fmt_num, show
 from eyrie.report.serve import serve_command, setting_command
 from eyrie.report.values import distinct, number, rate, warn
@@ -185,17 +188,17 @@ def drafter_section(path: str | None, config: dict, bench: dict, warnings: list)
         return None
     directory = Path(path)
     try:
-        model_config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        model_config = read_json(directory / "config.json", written_by="train_drafter", rebuild=directory)
         if not isinstance(model_config, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as err:
-        warn(warnings, "drafter", f"could not read {directory / 'config.json'}: {err}")
+            raise ArtifactError(f"{directory / 'config.json'}: not a JSON object")
+    except ArtifactError as err:
+        warn(warnings, "drafter", f"could not read {err}")
         return None
     own = model_config.get("eyrie") if isinstance(model_config.get("eyrie"), dict) else {}
     if not own:
         warn(warnings, "drafter", f"{directory / 'config.json'} has no eyrie block: template, target and training metrics are unknown")
     metrics = own.get("metrics") if isinstance(own.get("metrics"), dict) else {}
-    log = _training_log(directory / "training_log.json", warnings)
+    log = _training_log(directory / "training_log.json", warnings, model_config)
     eagle = model_config.get("eagle_config") if isinstance(model_config.get("eagle_config"), dict) else {}
     weights = directory / "model.safetensors"
     accuracy = metrics.get("accuracy_per_step") or (log["acc_per_step_last"] if log else None) or []
@@ -227,15 +230,16 @@ def drafter_section(path: str | None, config: dict, bench: dict, warnings: list)
     return figures
 
 
-def _training_log(path: Path, warnings: list) -> dict[str, Any] | None:
-    """training_log.json as columns, thinned to about PLOT_POINTS entries for the plots."""
+def _training_log(path: Path, warnings: list, config: dict) -> dict[str, Any] | None:
+    """training_log.json as columns, thinned to about PLOT_POINTS entries for the plots; config: the drafter's config.json."""
     if not path.is_file():
         warn(warnings, "drafter", f"{path} is missing: no training curves")
         return None
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        warn(warnings, "drafter", f"could not read {path}: {err}")
+        entries = read_json(path, written_by="train_drafter", rebuild=path.parent)
+        verify_recorded_files(path.parent, config)  # the log's digest lives in config.json
+    except ArtifactError as err:
+        warn(warnings, "drafter", f"could not read {err}")
         return None
     entries = [e for e in entries if isinstance(e, dict) and isinstance(e.get("step"), (int, float))] if isinstance(entries, list) else []
     if not entries:
@@ -285,11 +289,11 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     if not Path(path).exists():
         return {"name": name, "path": path, "built": False, "measured": False, "error": None}
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_json(path, written_by=f"benchmark_{'heldout' if name not in ('humaneval', 'mtbench') else name}")
         if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as err:
-        warn(warnings, "bench", f"could not read {path}: {err}")
+            raise ArtifactError(f"{path}: not a JSON object")
+    except ArtifactError as err:
+        warn(warnings, "bench", f"could not read {err}")
         return {"name": name, "path": path, "built": False, "measured": False, "error": None}
     name = str(data.get("benchmark") or name)
     per_prompt = [p for p in data.get("per_prompt") or [] if isinstance(p, dict)]
@@ -380,7 +384,8 @@ def _sweep_figures(data: dict, bench: dict, config: dict, drafter_dir: str | Non
             where = ", ".join(f"{d['id']} at new token {d['at']}" for d in different[:5]) or "no per-prompt detail"
             warn(warnings, "bench", f"{bench['name']}: sweep setting {figures['label']} output differs from plain greedy on {len(different)} of {checked} "
                                     f"prompts ({where}); speculative decoding must be lossless")
-    figures = {"rows": rows, "lossless_checked_in": data.get("lossless_checked_in"), "best": None, "sglang_flags": None,
+    figures = {"rows": rows, "lossless_checked_in": data.get("lossless_checked_in"), "prompts": number(data.get("prompts")),
+               "best": None, "sglang_flags": None,
                "command": None, "command_lines": None, "command_error": None}
     if best and all(isinstance(best.get(key), int) for key in ("steps", "topk", "draft_tokens")):
         figures["best"] = next((r for r in rows if r["recommended"]), None) or _sweep_setting(best, bool(best.get("main_chain")), [], True, [], None, best)

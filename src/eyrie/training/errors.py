@@ -11,3 +11,7 @@ class TrainingError(EyrieError):
 
 class TrainingInputError(TrainingError):
     """The inputs (cache, vocabulary, target, settings) do not fit together; nothing was trained."""
+
+
+class NonFiniteError(TrainingError):
+    """A step's loss or gradient is NaN or infinite: the run stops there, before any weights are written."""

@@ -2,7 +2,9 @@
 
 The hidden-state cache (read lazily, one batch's rows at a time), the draft vocabulary and the
 target's config; every guard runs in read_inputs, so a run that would train a useless drafter
-stops before it writes anything.
+stops before it writes anything. Each cache shard is checked against its content digest first
+(one read of the file, eyrie.hidden.cache.check_cache); the digests also name the data in the run's
+resume identity (eyrie.training.state.run_identity).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 import torch
 
 from eyrie.core.batching import batches_by_tokens
+from eyrie.core.digest import file_digest
 from eyrie.core.errors import EyrieError
 from eyrie.data.vocab import VocabError, load_draft_vocab
 from eyrie.drafter.model import DrafterShape
-from eyrie.hidden.cache import check_manifest, read_manifest, read_state_rows, stored_names
+from eyrie.hidden.cache import DIGEST, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
 from eyrie.hidden.fp8 import FP8_NAME
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.target.head import target_text_config
@@ -27,16 +30,20 @@ Sample = tuple[int, int, int]  # (cache shard, first token, length)
 
 
 class HiddenCache:
-    """The shards of the hidden-state cache, read lazily: only each batch's rows leave the files."""
+    """The shards of the hidden-state cache, read lazily: only each batch's rows leave the files.
+
+    Every shard is checked against its recorded content digest before any tensor is read; `digests`
+    holds them (computed here for a shard written before eyrie recorded digests), so the resume identity
+    covers the values, not only the manifests.
+    """
 
     def __init__(self, paths: list[str]):
-        from safetensors import safe_open
-
         if not paths:
             raise TrainingInputError("no hidden-state cache shards given")
         self.paths = [str(p) for p in paths]
         self.manifests = [read_manifest(p) for p in self.paths]
-        self._handles = [safe_open(p, framework="pt") for p in self.paths]
+        self.digests = [check_cache(p) or file_digest(p, DIGEST) for p in self.paths]
+        self._handles = [_open(p) for p in self.paths]
         # float8 shards carry per-token scales; batch() dequantizes, so training sees float32 either way.
         self.fp8 = [m.get("dtype") == FP8_NAME for m in self.manifests]
         self.input_ids, self.loss_mask, self.offsets, self.widths = [], [], [], []
@@ -94,6 +101,25 @@ class HiddenCache:
                 by_start[(s, int(offsets[k]))] = str(sample_id)
         return [by_start[(s, a)] for s, a, _ in samples]
 
+    def describe(self, refs: list[Sample]) -> dict[str, list[str]]:
+        """{shard path: the samples' manifest ids} of refs, for error messages (a token offset where the manifest has no ids)."""
+        named: dict[str, list[str]] = {}
+        for s, a, _ in refs:
+            ids, offsets = self.manifests[s].get("ids"), self.offsets[s].tolist()
+            starts = [k for k in range(len(offsets) - 1) if offsets[k] == a]  # the last: an empty sample shares its start
+            usable = isinstance(ids, list) and len(ids) == len(offsets) - 1 and starts
+            named.setdefault(self.paths[s], []).append(str(ids[starts[-1]]) if usable else f"the sample at token {a}")
+        return named
+
+    def non_finite(self, refs: list[Sample]) -> list[Sample]:
+        """The refs whose cached states (aux or final, as stored and dequantized) hold a NaN or an infinity."""
+        bad = []
+        for s, a, n in refs:
+            rows = [read_state_rows(self._handles[s], name, a, a + n, self.fp8[s]) for name in ("aux_hidden", "final_hidden")]
+            if not all(bool(torch.isfinite(r).all()) for r in rows):
+                bad.append((s, a, n))
+        return bad
+
     def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized), input_ids, loss_mask [B, L], lengths [B]."""
         B, L = len(refs), max(n for _, _, n in refs)
@@ -117,6 +143,15 @@ class HiddenCache:
             "lengths": lengths.to(device),
             "tokens": int(lengths.sum()),
         }
+
+
+def _open(path: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # safetensors raises its own error types (the digest check before catches nearly all)
+        raise HiddenCacheError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 @dataclass

@@ -312,7 +312,9 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     objective: a TTTObjective, or DistributedDataParallel around one (then batch["weight"] is the
     world size, 0 for a rank without rows that runs a stand-in row to keep the collectives going).
     Returns the step's figures over all ranks: loss (sum_j decay^j * mean loss of step j), stats
-    [(loss_j, correct_j, count_j)] and tokens.
+    [(loss_j, correct_j, count_j)], tokens, and grad_norm (the gradients' total norm before clipping, the
+    same on every rank). The caller stops on a non-finite loss or grad_norm (eyrie.training.train); both
+    arrive in the step's one host read, so checking them costs no extra sync.
     """
     inner = objective.module if isinstance(objective, torch.nn.parallel.DistributedDataParallel) else objective
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -332,12 +334,14 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in inner.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # a device tensor: no sync (error_if_nonfinite would add one)
     optimizer.step()
     totals = torch.cat([stats.flatten() * (weight != 0), stats.new_full((1,), float(batch["tokens"]) * (weight != 0))])
     if distributed:
         torch.distributed.all_reduce(totals)
+    totals = torch.cat([totals, grad_norm.detach().reshape(1).to(totals)])  # after the all-reduce: DDP made it equal on every rank
     totals = totals.tolist()  # the step's one host sync
     per_step = [(totals[3 * j], int(totals[3 * j + 1]), int(totals[3 * j + 2])) for j in range(steps)]
     means = [(loss_sum / count if count else 0.0, correct, count) for loss_sum, correct, count in per_step]
-    return {"loss": sum(decay**j * m[0] for j, m in enumerate(means) if m[2]), "stats": means, "tokens": int(totals[-1])}
+    return {"loss": sum(decay**j * m[0] for j, m in enumerate(means) if m[2]), "stats": means, "tokens": int(totals[-2]),
+            "grad_norm": totals[-1]}

@@ -3,7 +3,10 @@
 ``state_dir`` holds one safetensors file of tensors (trained weights, optimizer moments, RNG
 states, and with train.keep_best the kept epoch's weights) and state.json (everything else, naming that file). Each is written then renamed, the
 tensors first, so state.json always names a complete file; older tensor files go only after.
-A state is resumed only by a run of the same inputs and settings (run_identity).
+A state is resumed only by a run of the same inputs and settings (run_identity): the cache's manifests
+and content digests, so a re-extracted cache with the same manifest but other values starts over.
+The tensors file is written with an xxh3-128 digest (eyrie.core.digest): it can reach GBs at 8B widths
+and is rewritten every few hundred steps.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from eyrie.core.atomic import write_json_atomically, write_safetensors_atomically
+from eyrie.core.digest import XXH3_128, verify
 from eyrie.training.metrics import new_window
 
 STATE_JSON = "state.json"
@@ -41,12 +45,15 @@ class RunRecord:
         return cls(step=0, log=[], tokens=0, seconds=0.0, window=new_window(ttt_steps))
 
 
-def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str) -> str:
+def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str,
+                 cache_digests: list[str | None] = ()) -> str:
     """Identity of a training run: what must match for a saved state to be resumed (every train setting but log_every:
-    eval_fraction too, since it decides which samples train)."""
+    eval_fraction too, since it decides which samples train), and the data: each cache shard's manifest and content digest
+    (eyrie.training.inputs.HiddenCache.digests)."""
     digest = hashlib.sha256()
     for manifest in manifests:
         digest.update(json.dumps({k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token")}, sort_keys=True).encode())
+    digest.update(json.dumps(list(cache_digests)).encode())
     digest.update(d2t.numpy().tobytes())
     settings = {k: v for k, v in train_cfg.items() if k != "log_every"}
     digest.update(json.dumps([drafter_cfg, settings, template_sha256, target_fingerprint], sort_keys=True, default=str).encode())
@@ -76,7 +83,7 @@ def save_state(state_dir: Path, run_id: str, record: RunRecord, model, optimizer
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
     name = f"state-{record.step:08d}.safetensors"
-    write_safetensors_atomically(tensors, state_dir / name)
+    write_safetensors_atomically(tensors, state_dir / name, digest=XXH3_128)
     meta = {
         "run_id": run_id,
         **asdict(record),
@@ -101,6 +108,7 @@ def load_state(state_dir: Path, run_id: str, model, optimizer, say: Callable[[st
         return None
     try:
         meta = json.loads(path.read_text())
+        verify(state_dir / meta["tensors"], "safetensors")  # a damaged state is not resumed: it would carry the damage on
         tensors = load_file(str(state_dir / meta["tensors"]))
     except Exception as exc:  # a half-written or foreign state is not fatal: train from the start
         say(f"train: ignoring unreadable resume state in {state_dir} ({exc}); starting over")

@@ -3,7 +3,9 @@
 train_drafter runs one job in phases, each a function below, top to bottom: read and check the
 inputs (eyrie.training.inputs), settle the run (ranks, device, precision, attention, steps), build
 the drafter, its optimizer and the TTT objective (eyrie.training.objective), resume, the steps, and
-write the checkpoint (eyrie.drafter.checkpoint). The TTT alignment is written down in
+write the checkpoint (eyrie.drafter.checkpoint). A non-finite loss or gradient stops the run at
+that step (NonFiniteError, naming the batch's samples and their cache shards): NaN weights are
+never written, and never resumed from. The TTT alignment is written down in
 eyrie.training.objective. At each epoch's end (and the run's) the drafter's simulated acceptance
 length on held-out cache samples (eyrie.training.holdout, eyrie.training.acceptance) goes into the
 training log. With train.keep_best (the default) the weights written are those of the epoch with the
@@ -29,14 +31,16 @@ from typing import Any, Callable
 
 import torch
 
+from eyrie.core.artifacts import rebuild_hint
 from eyrie.core.errors import EyrieError
 from eyrie.core.schema import with_defaults
 from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
 from eyrie.drafter.model import Eagle3Drafter
+from eyrie.hidden.cache import WRITTEN_BY as CACHE_WRITTEN_BY
 from eyrie.target.head import TargetHeadError, load_target_head
 from eyrie.training.acceptance import acceptance_line, simulate_acceptance
 from eyrie.training.distributed import DistributedContext, data_parallel, distributed_context, rank_share
-from eyrie.training.errors import TrainingInputError
+from eyrie.training.errors import NonFiniteError, TrainingInputError
 from eyrie.training.holdout import HELD_OUT_SOURCE, TRAINING_SOURCE
 from eyrie.training.inputs import TrainingInputs, read_inputs
 from eyrie.training.keep_best import best_record, is_better, kept_note, restore, snapshot
@@ -124,7 +128,7 @@ def train_drafter(
     trainer = _build_trainer(run, target_dir)
 
     state_path = Path(state_dir)
-    run_id = run_identity(inputs.cache.manifests, inputs.d2t, drafter_cfg, train_cfg, template_sha256, target_fingerprint)
+    run_id = run_identity(inputs.cache.manifests, inputs.d2t, drafter_cfg, train_cfg, template_sha256, target_fingerprint, inputs.cache.digests)
     record = _resume(run, trainer, state_path, run_id, say)
     resumed_from = record.step
     if run.ranks.world > 1:  # after resuming: DDP starts every rank from rank 0's weights
@@ -247,7 +251,8 @@ def _train_steps(
     for step in range(record.step, run.total_steps):
         t0 = time.perf_counter()
         epoch, index = divmod(step, run.steps_per_epoch)
-        refs, weight = rank_share(batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]], ranks.rank, ranks.world)
+        whole = batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]]
+        refs, weight = rank_share(whole, ranks.rank, ranks.world)
         batch = run.inputs.cache.batch(refs, ranks.device, dtype=run.frozen_dtype)
         if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
             add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
@@ -260,6 +265,8 @@ def _train_steps(
             t2d=trainer.t2d, max_grad_norm=float(cfg["max_grad_norm"]), use_bf16=run.use_bf16,
         )
         del batch
+        if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):  # the same figures on every rank
+            raise NonFiniteError(_non_finite_message(run, step + 1, whole, result))
         elapsed = time.perf_counter() - t0
         if compiled is not None and compiled.error is not None and compile_fallback is None:
             compile_fallback = {"step": step + 1, "error": compiled.error}
@@ -292,6 +299,28 @@ def _train_steps(
         if on_step is not None:
             on_step(done)
     return compile_fallback
+
+
+def _non_finite_message(run: _Run, step: int, whole: list, result: dict) -> str:
+    """Why training stopped at `step`: the batch's samples by cache shard, and whether their cached states are the cause."""
+    cache = run.inputs.cache
+    listing = "; ".join(f"{path}: {', '.join(ids)}" for path, ids in cache.describe(whole).items())
+    corrupt = cache.describe(cache.non_finite(whole))
+    if corrupt:
+        cause = "; ".join(
+            f"the cached states of {', '.join(ids)} in {path} are not finite: the cache is corrupt, {rebuild_hint(CACHE_WRITTEN_BY, path)}"
+            for path, ids in corrupt.items()
+        )
+    else:
+        cause = (
+            "the batch's cached states are finite, so training diverged: lower train.learning_rate, or train.max_grad_norm, "
+            "or train in float32 (train.dtype)"
+        )
+    return (
+        f"train: step {step} (epoch {(step - 1) // run.steps_per_epoch + 1}) has a non-finite loss or gradient "
+        f"(loss {result['loss']}, gradient norm {result['grad_norm']}); stopped, no drafter written. "
+        f"The step's batch: {listing}. {cause[0].upper()}{cause[1:]}"
+    )
 
 
 def _simulate(run: _Run, trainer: _Trainer, step: int) -> dict:
