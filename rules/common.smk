@@ -38,7 +38,7 @@ if workflow.is_main_process:  # not again in every cluster job
 
 wildcard_constraints:
     dataset="|".join(DATASETS),
-    shard=r"\d{4,}",  # shard_names pads to four digits; 10,000 shards and more have five
+    shard=r"\d\d\d\d+",  # shard_names pads to four digits; 10,000 shards and more have five
     package=r"[A-Za-z0-9._-]+",
     filename=r"[^/]+",
 
