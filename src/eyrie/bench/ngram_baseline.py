@@ -7,20 +7,13 @@ the drafter's numbers (`speedup_over_ngram`).
 
 from __future__ import annotations
 
-from eyrie.bench.rounds import acceptance_summary, round_fields
+from eyrie.bench.rounds import acceptance_summary, timed_row
 from eyrie.decoding.ngram import MAX_NGRAM, MIN_NGRAM
 
 
 def ngram_row(prompt_id: str, plain, spec) -> dict:
-    """One prompt's n-gram decode (a SpecResult) against its plain greedy decode."""
-    return {
-        "id": prompt_id,
-        "new_tokens": len(spec.tokens),
-        "tokens_per_s": len(spec.tokens) / spec.seconds,
-        "seconds": spec.seconds,
-        "target_forwards": spec.target_forwards,
-        **round_fields(plain, spec),
-    }
+    """One prompt's n-gram decode (a SpecResult) against its plain greedy decode: a sweep setting's row, the same fields."""
+    return timed_row(prompt_id, plain, spec)
 
 
 def ngram_block(rows: list[dict], draft_tokens: int, greedy_tokens_per_s: float) -> dict:
