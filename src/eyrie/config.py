@@ -96,6 +96,8 @@ def _check_consistency(config: dict, origin: str) -> None:
 
 def load(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
