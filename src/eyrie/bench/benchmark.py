@@ -17,10 +17,12 @@ JSON is written first, with the error in it, so nothing measured is lost.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import platform
+import time
 import warnings
 from pathlib import Path
 
@@ -207,6 +209,21 @@ def hardware_description(device) -> str:
 # --------------------------------------------------------------------------- measuring
 
 
+class Phases:
+    """Wall seconds of each phase of a benchmark job: printed as each ends (the job's log shows where the time goes
+    while it runs) and kept in the JSON (`phase_seconds`)."""
+
+    def __init__(self, name: str):
+        self.name, self.seconds = name, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = round(time.perf_counter() - start, 2)
+        print(f"bench {self.name}: {phase}: {self.seconds[phase]:.1f} s", flush=True)
+
+
 def prompt_row(prompt_id: str, prompt_ids: list[int], plain, spec) -> dict:
     return {
         "id": prompt_id,
@@ -267,7 +284,8 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
 
 
 def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None,
-            sweep: list = (), greedy_paths: dict | None = None, sweep_prompts: int | None = None) -> tuple[list[dict], list[dict], list[list[dict]]]:
+            sweep: list = (), greedy_paths: dict | None = None, sweep_prompts: int | None = None,
+            phases: Phases | None = None) -> tuple[list[dict], list[dict], list[list[dict]]]:
     """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, then each sweep setting (TreeShapes), on each
     (id, prompt ids): a row per prompt for the drafter, one for the n-gram and, per setting, one for that setting.
 
@@ -278,13 +296,25 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
     greedy_paths = {} if greedy_paths is None else greedy_paths
+    phases = phases or Phases("measure")
     # Warm up every decoder once, so the first timed prompt pays no one-time costs (allocations, kernel choice, graph capture).
-    greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
-    speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
-    if ngram:
-        ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
-    warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, sweep)
+    with phases("warm-up (compile, capture)"):
+        greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
+        speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
+        if ngram:
+            ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
+        warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, sweep)
     rows, ngram_rows, sweep_rows = [], [], [[] for _ in sweep]
+    with phases(f"timed decoding ({len(prompts)} prompts)"):
+        _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens, ngram, sweep, greedy_paths, sweep_prompts,
+                    rows, ngram_rows, sweep_rows)
+    return rows, ngram_rows, sweep_rows
+
+
+def _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens, ngram, sweep, greedy_paths, sweep_prompts,
+                rows, ngram_rows, sweep_rows) -> None:
+    from eyrie.decoding.decode import greedy_decode, speculative_decode
+
     for index, (prompt_id, prompt_ids) in enumerate(prompts):
         plain = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
         greedy_paths[prompt_id] = plain.tokens
@@ -295,7 +325,6 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
             ngram_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, draft_tokens)))
         for setting_rows, row in zip(sweep_rows, decode_settings(model, drafter, prompt_id, prompt_ids, plain, max_new_tokens, stop_ids, swept)):
             setting_rows.append(row)
-    return rows, ngram_rows, sweep_rows
 
 
 def float32_check(target_dir, drafter_dir_or_model, encoded, cfg: dict, stop_ids, device: str, trust_remote_code: bool, sweep: list = ()) -> dict:
@@ -355,9 +384,11 @@ def run_benchmark(
     if not prompts:
         raise BenchmarkError(f"{benchmark_name}: no prompts to benchmark (is the held-out share of this dataset empty?)")
     check_sweep(cfg["sweep"])  # before any model loads
-    model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
-        target_dir, drafter_dir_or_model, cfg["dtype"], device, template_sha256_expected, trust_remote_code
-    )
+    phases = Phases(benchmark_name)
+    with phases("load target and drafter"):
+        model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
+            target_dir, drafter_dir_or_model, cfg["dtype"], device, template_sha256_expected, trust_remote_code
+        )
     sweep = check_sweep(cfg["sweep"], drafter.shape.draft_vocab_size)
     encoded = []
     for prompt in prompts:
@@ -370,7 +401,7 @@ def run_benchmark(
     greedy_paths = {}
     rows, ngram_rows, sweep_rows = measure(
         engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep, greedy_paths,
-        cfg["sweep_prompts"],
+        cfg["sweep_prompts"], phases,
     )
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
@@ -378,11 +409,13 @@ def run_benchmark(
     summary = summarise(rows, cfg["draft_tokens"])
     floor = None
     if cfg["floor"] is True or (cfg["floor"] == "auto" and model.device.type == "cuda"):
-        floor = floor_block(model, engine, *encoded[0], cfg["max_new_tokens"], compile=bool(getattr(engine, "compile", False)))
+        with phases("floor"):
+            floor = floor_block(model, engine, *encoded[0], cfg["max_new_tokens"], compile=bool(getattr(engine, "compile", False)))
     check = None
     timing_dtype = str(model.dtype).removeprefix("torch.")
     if model.dtype != torch.float32:  # timed in the serving dtype: losslessness is proved in float32 on the same prompts
-        check = float32_check(target_dir, drafter_dir_or_model, encoded, cfg, stop_ids_of(model, tokenizer), device, trust_remote_code, sweep)
+        with phases("float32 check"):
+            check = float32_check(target_dir, drafter_dir_or_model, encoded, cfg, stop_ids_of(model, tokenizer), device, trust_remote_code, sweep)
         add_margins(model, rows, dict(encoded), greedy_paths)  # how near a tie greedy was where each chain decode parted
         margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]
         summary["agreement_in_timing_dtype"] = {"dtype": timing_dtype, "identical": sum(r["identical"] for r in rows), "checked": len(rows),
@@ -414,6 +447,7 @@ def run_benchmark(
         "sweep": swept,
         "parity": None,
         "float32_check": check,
+        "phase_seconds": phases.seconds,  # where the job's wall time went
         "per_prompt": rows,
     }
     if check is not None:

@@ -90,7 +90,7 @@ class BatchedGreedy(StaticLlama):
             cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # (c, 1, W, hd)
             query = slots[None, :, None]  # (1, W, 1)
             visible = (keys <= query) & ((keys >= pads) | (query < pads))  # (c, W, span)
-            mask = visible[:, None].repeat(1, 1, group, 1)  # (c, 1, group * W, span): _attention's grouped rows
+            mask = visible[:, None].repeat(1, 1, group, 1)  # (c, 1, group * W, span): _attend's grouped rows
             hidden, _ = self.run_layers(ids[rows], slots, cos, sin, mask, span, rows)
             firsts.append(self.model.lm_head(hidden[:, -1]).argmax(-1))
         return torch.cat(firsts)

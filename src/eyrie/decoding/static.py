@@ -142,6 +142,10 @@ class StaticLlama:
         self.drafters: dict[int, StaticEagle3] = {}
         self.capture_failures: list[str] = []  # why a graph capture failed: those steps run eagerly
         self.compile = bool(compile)
+        self.fusing = False  # set while a step function runs: run_layers then takes the compiled layer pieces
+        if self.compile:
+            self._fused_project = torch.compile(self._project, dynamic=False, mode=COMPILE_MODE)
+            self._fused_finish = torch.compile(self._finish, dynamic=False, mode=COMPILE_MODE)
         self._greedy_step_fn = self.step_function(self._greedy_step)
         self.capacity = 0
         self.ensure_capacity(capacity)
@@ -152,15 +156,27 @@ class StaticLlama:
         return label + "-compiled" if self.compile else label
 
     def step_function(self, method):
-        """`method` (a step on static buffers, taking the span) as Replay will run it: fused by inductor when compile is set.
+        """`method` (a step on static buffers, taking the span) as Replay will run it: its layers fused when compile is set.
 
-        Each step's many small kernels (norms, rotary, residual adds, SiLU * up, casts) become a few fused
-        ones; one compiled graph per span (dynamo specialises on the int). Compilation happens in Replay's
-        warm-up, before any capture.
+        Fusion is per decoder layer, not per step: each layer's elementwise work around the matrix products
+        (norms, rotary, residual adds, SiLU * up) is compiled in two pieces (before and after attention) that
+        every layer shares, so inductor compiles two small graphs per number of tokens a step feeds, whatever
+        the layer count, attention span or draft length. Compiling whole steps cost a 30-layer graph per span
+        and draft length, minutes per benchmark job on an H200. The attention itself (cache write, SDPA over
+        the span) stays eager. Compilation happens in Replay's warm-up, before any capture; prefills, which
+        vary in length, run eagerly.
         """
         if not self.compile:
             return method
-        return torch.compile(method, dynamic=False, mode=COMPILE_MODE)
+
+        def fused(*args, **kwargs):
+            self.fusing = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.fusing = False
+
+        return fused
 
     @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
@@ -183,15 +199,20 @@ class StaticLlama:
 
     # ---- the forward
 
-    def _attention(self, keys, values, attention, x, positions, cos, sin, mask, span: int):
-        """One layer's attention over the first `span` slots of its cache keys/values (B, kvh, capacity, hd),
-        after writing this forward's K/V at slots `positions` (T,)."""
+    def _project(self, layer, x, cos, sin):
+        """A layer's attention inputs: q (1, h, T, hd), k and v (1, kvh, T, hd), rotated, from the residual stream x (B, T, H)."""
+        attention = layer.self_attn
         B, T, _ = x.shape
-        q = attention.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (1, h, T, hd)
-        k = attention.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, kvh, T, hd)
+        x = layer.input_layernorm(x)
+        q = attention.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = attention.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attention.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _attend(self, keys, values, attention, q, k, v, positions, mask, span: int):
+        """Attention over the first `span` slots of a layer's cache keys/values (B, kvh, capacity, hd), after
+        writing this forward's K/V at slots `positions` (T,): (B, T, h * hd), before o_proj."""
+        B, _, T, _ = q.shape
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
         keys, values = keys[:, :, :span], values[:, :, :span]
@@ -199,8 +220,12 @@ class StaticLlama:
         group = self.heads // self.kv_heads
         q = q.reshape(B, self.kv_heads, group * T, self.head_dim)  # head g*group + r -> kv head g
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attention.scaling)
-        out = out.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
-        return attention.o_proj(out)
+        return out.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+
+    def _finish(self, layer, x, attended):
+        """The residual stream after the layer: x + o_proj(attended), then the MLP block."""
+        x = x + layer.self_attn.o_proj(attended)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, aux_layers=(), span: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final normed hidden (1, T, H), aux (1, T, 3H) or None): ids (1, T) at positions (T,), cache written.
@@ -211,18 +236,19 @@ class StaticLlama:
         span = self.capacity if span is None else span
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]  # (1, 1, T, hd)
         mask = self.slots[None, :span] <= positions[:, None]  # (T, span): a key slot is visible up to the query's position
-        mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attention's grouped queries
+        mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attend's grouped queries
         return self.run_layers(ids, positions, cos, sin, mask, span, aux_layers=aux_layers)
 
     def run_layers(self, ids, slots, cos, sin, mask, span: int, rows: slice = slice(None), aux_layers=()):
         """(final normed hidden (B, T, H), aux (B, T, 3H) or None) of ids (B, T) whose K/V go to cache
-        `slots` (T,) of cache rows `rows`; cos, sin and mask as _attention takes them."""
+        `slots` (T,) of cache rows `rows`; cos, sin and mask as _project and _attend take them."""
         x = self.model.model.embed_tokens(ids)
+        project, finish = (self._fused_project, self._fused_finish) if self.fusing else (self._project, self._finish)
         saved = {}
         for index, layer in enumerate(self.layers):
-            keys, values = self.keys[index, rows], self.values[index, rows]
-            x = x + self._attention(keys, values, layer.self_attn, layer.input_layernorm(x), slots, cos, sin, mask, span)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            q, k, v = project(layer, x, cos, sin)
+            attended = self._attend(self.keys[index, rows], self.values[index, rows], layer.self_attn, q, k, v, slots, mask, span)
+            x = finish(layer, x, attended)
             if index in aux_layers:
                 saved[index] = x
         aux = torch.cat([saved[i] for i in aux_layers], dim=-1) if aux_layers else None
@@ -328,7 +354,7 @@ class StaticEagle3:
         self.target, self.drafter = target, drafter
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(target.layers)))
-        self.k, self.rounds = None, {}
+        self.rounds: dict[int, ChainRounds] = {}  # by draft length
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
@@ -339,7 +365,7 @@ class StaticEagle3:
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.slots = torch.arange(capacity, device=self.device)
         self.capacity = capacity
-        self.rounds = {}  # their graphs point at the old buffers
+        self.rounds = {}  # by draft length: their graphs point at the old buffers
         self.trees = {}  # eyrie.decoding.static_tree's rounds, by TreeShape: the same
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
@@ -358,34 +384,94 @@ class StaticEagle3:
         """Target id (1, 1) of the drafter's greedy token after its output out (1, 1, H)."""
         return self.drafter.draft_ids_to_target(self.drafter.head(out).argmax(-1))
 
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's prefill, then the drafter's over positions 0..P-2, eagerly: (the target's first token (1, 1),
+        the aux states of the last prompt position (1, 1, 3H)), which go into the first round's extend."""
+        predicted, aux = self.target.prefill(prompt_ids, self.aux_layers)  # (1, P), (1, P, 3H)
+        count = len(prompt_ids)
+        if count > 1:
+            ids = torch.tensor([prompt_ids[1:]], device=self.device)
+            self.forward(self.drafter.project_aux(aux[:, :-1].to(self.dtype)), ids, torch.arange(count - 1, device=self.device))
+        return predicted[:, -1:], aux[:, -1:]
+
     # ---- one round on device
 
-    def _buffers(self, k: int) -> None:
-        target, hidden3 = self.target, 3 * self.drafter.shape.target_hidden_size
-        self.k = k
-        self.offsets = torch.arange(k + 1, device=self.device)
-        self.ext_aux = torch.zeros(1, k + 1, hidden3, device=self.device, dtype=target.dtype)  # target features, padded
-        self.ext_ids = torch.zeros(1, k + 1, dtype=torch.long, device=self.device)  # the token after each position
-        self.ext_start = torch.zeros(1, dtype=torch.long, device=self.device)  # position of row 0
-        self.ext_last = torch.zeros(1, dtype=torch.long, device=self.device)  # last real row: rows past it are padding
-        self.round_out = torch.zeros(2 * k + 2, dtype=torch.long, device=self.device)  # [accepted, *predicted, *drafts]
+    def _rounds_for(self, k: int) -> ChainRounds:
+        """The rounds for draft length k, captured on first use and kept: a sweep alternating draft lengths
+        prompt by prompt replays them instead of capturing (and compiling) again."""
+        if k not in self.rounds:
+            self.rounds[k] = ChainRounds(self, k)
+        return self.rounds[k]
+
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, k: int) -> SpecResult:
+        start_time = time.perf_counter()
+        target = self.target
+        chain = self._rounds_for(k)  # captured before the prefills: their warm-ups write cache slots
+        first, last_aux = self.prefill(prompt_ids)
+        count = len(prompt_ids)
+        chain.ext_aux[:, :1].copy_(last_aux)
+        chain.ext_ids[:, :1].copy_(first)
+        chain.ext_start.fill_(count - 1)
+        chain.ext_last.zero_()
+        target.token.copy_(first)
+        target.position.fill_(count)
+        tokens = [int(first)]
+        forwards, lengths, accepted_per_position = 1, [], [0] * k
+        self.drafted = []  # per round: the k drafts, for tests and diagnosis
+        while not finished(tokens, max_new_tokens, stop_ids):
+            current = count + len(tokens) - 1  # position of target.token; the round writes slots up to current + k
+            chain.replays[span_for(current + k + 1, self.capacity)]()
+            out = chain.round_out.tolist()  # the round's one host sync
+            accepted, predicted = out[0], out[1 : k + 2]
+            self.drafted.append(out[k + 2 :])
+            forwards += 1
+            for j in range(accepted):
+                accepted_per_position[j] += 1
+            emitted = emit(tokens, predicted[: accepted + 1], max_new_tokens, stop_ids)  # accepted drafts == predicted
+            tokens += emitted
+            lengths.append(len(emitted))
+        return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_position)
+
+
+class ChainRounds:
+    """Chain rounds of draft length k for one StaticEagle3: their static buffers and one Replay per attention span.
+
+    Each Replay's warm-up and capture write cache slots 0..2k: harmless before a prefill, which overwrites them.
+    """
+
+    def __init__(self, eagle: StaticEagle3, k: int):
+        self.eagle, self.k = eagle, k
+        device, hidden3 = eagle.device, 3 * eagle.drafter.shape.target_hidden_size
+        self.offsets = torch.arange(k + 1, device=device)
+        self.ext_aux = torch.zeros(1, k + 1, hidden3, device=device, dtype=eagle.target.dtype)  # target features, padded
+        self.ext_ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)  # the token after each position
+        self.ext_start = torch.zeros(1, dtype=torch.long, device=device)  # position of row 0
+        self.ext_last = torch.zeros(1, dtype=torch.long, device=device)  # last real row: rows past it are padding
+        self.round_out = torch.zeros(2 * k + 2, dtype=torch.long, device=device)  # [accepted, *predicted, *drafts]
+        target = eagle.target
+        step = target.step_function(self._round)
+        self.replays = {}
+        for span in spans_up_to(eagle.capacity):
+            target.token.zero_()
+            target.position.zero_()
+            self.replays[span] = Replay(functools.partial(step, span), target.use_graphs, target.capture_failures)
 
     def _round(self, span: int) -> None:
         """Extend, draft k, verify, accept: every input and output is a static buffer; attention over `span` slots."""
-        target, k = self.target, self.k
+        eagle, target, k = self.eagle, self.eagle.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
-        hidden = self.drafter.project_aux(self.ext_aux.to(self.dtype))  # (1, k+1, 3H) -> (1, k+1, H)
-        out = self.forward(hidden, self.ext_ids, self.ext_start + self.offsets, span)
+        hidden = eagle.drafter.project_aux(self.ext_aux.to(eagle.dtype))  # (1, k+1, 3H) -> (1, k+1, H)
+        out = eagle.forward(hidden, self.ext_ids, self.ext_start + self.offsets, span)
         out = out.index_select(1, self.ext_last)  # (1, 1, H): the last real row
         last = self.ext_start + self.ext_last  # (1,)
-        drafts = [self.draft_token(out)]
+        drafts = [eagle.draft_token(out)]
         for j in range(1, k):  # chain: own output and the previous draft's embedding
-            out = self.forward(out, drafts[-1], last + j, span)
-            drafts.append(self.draft_token(out))
+            out = eagle.forward(out, drafts[-1], last + j, span)
+            drafts.append(eagle.draft_token(out))
         drafts = torch.cat(drafts, dim=1)  # (1, k)
         # Verify [current, *drafts]; predicted[i] is the target's token after input i.
         ids = torch.cat([target.token, drafts], dim=1)  # (1, k+1)
-        predicted, aux = target.predict(ids, target.position + self.offsets, self.aux_layers, span=span)
+        predicted, aux = target.predict(ids, target.position + self.offsets, eagle.aux_layers, span=span)
         # Accept the longest agreeing prefix, then the target's own token (the bonus).
         accepted = (drafts[0] == predicted[0, :k]).long().cumprod(0).sum().view(1)  # (1,)
         # The next round's extend: features of current..current+k, the token after each (predicted), from `current`.
@@ -398,51 +484,6 @@ class StaticEagle3:
         self.round_out[:1].copy_(accepted)
         self.round_out[1 : k + 2].copy_(predicted[0])
         self.round_out[k + 2 :].copy_(drafts[0])
-
-    def _rounds_for(self, k: int) -> dict[int, Replay]:
-        """The rounds for draft length k, one per span, captured once; another k replaces them."""
-        if not self.rounds or self.k != k:
-            self.rounds = {}  # free the old graphs before capturing the next
-            self._buffers(k)
-            round_step = self.target.step_function(self._round)
-            for span in spans_up_to(self.capacity):
-                self.target.token.zero_()
-                self.target.position.zero_()  # warm-up runs write slots 0..2k, later overwritten by the prefill
-                self.rounds[span] = Replay(functools.partial(round_step, span), self.target.use_graphs, self.target.capture_failures)
-        return self.rounds
-
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, k: int) -> SpecResult:
-        start_time = time.perf_counter()
-        target = self.target
-        rounds = self._rounds_for(k)  # captured before the prefills: their warm-ups write cache slots
-        predicted, aux = target.prefill(prompt_ids, self.aux_layers)  # (1, P), (1, P, 3H)
-        first = predicted[:, -1:]
-        count = len(prompt_ids)
-        if count > 1:  # positions 0..P-2 eagerly; the last prompt position goes into the first round's extend
-            ids = torch.tensor([prompt_ids[1:]], device=self.device)
-            self.forward(self.drafter.project_aux(aux[:, :-1].to(self.dtype)), ids, torch.arange(count - 1, device=self.device))
-        self.ext_aux[:, :1].copy_(aux[:, -1:])
-        self.ext_ids[:, :1].copy_(first)
-        self.ext_start.fill_(count - 1)
-        self.ext_last.zero_()
-        target.token.copy_(first)
-        target.position.fill_(count)
-        tokens = [int(first)]
-        forwards, lengths, accepted_per_position = 1, [], [0] * k
-        self.drafted = []  # per round: the k drafts, for tests and diagnosis
-        while not finished(tokens, max_new_tokens, stop_ids):
-            current = count + len(tokens) - 1  # position of target.token; the round writes slots up to current + k
-            rounds[span_for(current + k + 1, self.capacity)]()
-            out = self.round_out.tolist()  # the round's one host sync
-            accepted, predicted = out[0], out[1 : k + 2]
-            self.drafted.append(out[k + 2 :])
-            forwards += 1
-            for j in range(accepted):
-                accepted_per_position[j] += 1
-            emitted = emit(tokens, predicted[: accepted + 1], max_new_tokens, stop_ids)  # accepted drafts == predicted
-            tokens += emitted
-            lengths.append(len(emitted))
-        return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_position)
 
 
 # --------------------------------------------------------------------------- choosing

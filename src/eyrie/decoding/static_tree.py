@@ -33,10 +33,9 @@ from eyrie.drafter.model import Eagle3Drafter
 class StaticTree:
     """The buffers and graphs of tree rounds of one shape, for one drafter on one target.
 
-    Tree rounds are CUDA graphs of unfused kernels, even where the target's compile=True fuses greedy steps and chain
-    rounds: inductor took minutes per setting over a whole tree round (S - 1 unrolled drafter steps with their sorts)
-    on the CPU and tens of seconds over the verify alone per attention span, and an H200 pipeline benchmark sweeping
-    six settings that way did not finish in 8 minutes. So a tree row's time is an upper bound of a fused engine's.
+    With the target's compile=True the verify's layers run fused like greedy steps and chain rounds (two compiled
+    pieces per layer, shared by every layer and span, eyrie.decoding.static.StaticLlama.step_function); the drafter's
+    S - 1 tree steps with their sorts stay eager: inductor took minutes per setting over a whole tree round on the CPU.
     """
 
     def __init__(self, drafter: StaticEagle3, shape: TreeShape):
@@ -180,7 +179,7 @@ class StaticTree:
             self.target.position.zero_()  # warm-ups write slots from 0, later overwritten by the prefill
             self.ext_start.zero_()
             self.ext_last.zero_()
-            self.graphs[span] = Replay(functools.partial(self._round, span), self.target.use_graphs,
+            self.graphs[span] = Replay(functools.partial(self.target.step_function(self._round), span), self.target.use_graphs,
                                        self.target.capture_failures)
         return self.graphs[span]
 
@@ -189,12 +188,9 @@ class StaticTree:
         S, target, drafter = self.shape.steps, self.target, self.drafter
         for span in spans_up_to(target.capacity):  # captured before the prefill: their warm-ups write cache slots
             self._graph_for(span)
-        predicted, aux = target.prefill(prompt_ids, drafter.aux_layers)
-        first, count = predicted[:, -1:], len(prompt_ids)
-        if count > 1:  # positions 0..P-2 eagerly; the last prompt position goes into the first round's extend
-            ids = torch.tensor([prompt_ids[1:]], device=drafter.device)
-            drafter.forward(drafter.drafter.project_aux(aux[:, :-1].to(drafter.dtype)), ids, torch.arange(count - 1, device=drafter.device))
-        self.ext_aux[:, :1].copy_(aux[:, -1:])
+        first, last_aux = drafter.prefill(prompt_ids)
+        count = len(prompt_ids)
+        self.ext_aux[:, :1].copy_(last_aux)
         self.ext_ids[:, :1].copy_(first)
         self.ext_start.fill_(count - 1)
         self.ext_last.zero_()
