@@ -1131,3 +1131,24 @@ def test_two_ranks_simulate_the_same_acceptance_on_held_out_samples(tmp_path):
     assert evaluation["source"] == "held-out cache samples" and evaluation["eval_samples"] >= 3
     config_two = json.loads((tmp_path / "two" / "config.json").read_text())
     assert without_seconds(config_two["eyrie"]["simulated_acceptance"]) == without_seconds(evaluation)
+
+
+def test_a_forced_rerun_after_a_finished_run_writes_the_same_bytes(tmp_path):
+    """Snakemake's --force deletes the drafter, not the resume state: the rerun resumes at the last step and must
+    write what the finished run wrote (weights, the kept epoch, the log), not the last step's weights or a new log."""
+    import shutil
+
+    V = 120
+    inputs = tiny_setup(tmp_path, samples=random_samples(6, [20, 14, 30, 9, 25, 18], V, seed=7), V=V)
+    # A rate this high peaks in epoch 1 and degrades: the kept weights are not the last step's.
+    train = {"epochs": 5, "batch_tokens": 40, "learning_rate": 0.3, "lr_schedule": "constant", "warmup_ratio": 0.2, "eval_fraction": 0.3}
+    first = run(tmp_path, inputs, "drafter", train=train)
+    assert first["kept"]["epoch"] < 5
+    written = {p.name: p.read_bytes() for p in (tmp_path / "drafter").iterdir()}
+    shutil.rmtree(tmp_path / "drafter")
+    again = run(tmp_path, inputs, "drafter", train=train)
+    assert again["resumed_from_step"] == first["steps"]
+    rewritten = {p.name: p.read_bytes() for p in (tmp_path / "drafter").iterdir()}
+    assert rewritten.keys() == written.keys()
+    differing = [name for name in written if rewritten[name] != written[name]]
+    assert not differing, differing
