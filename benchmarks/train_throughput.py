@@ -19,6 +19,12 @@ against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex 
 
     python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
     python benchmarks/train_throughput.py --small --out /tmp/tt.json             # CPU smoke test
+    python benchmarks/train_throughput.py --shape pipeline --batch 8 --variants flex+chunked,flex+chunked+compiled \
+        --profile flex+chunked --out tt_pipeline.json      # the pipeline's drafter (H 576), 16,384 tokens per step
+
+Each variant's line also gives its matrix-product FLOPs per token (forward and backward, every TTT step: fc,
+q/k/v/o, MLP, the draft head, the target head's distribution and attention over the row) and the TFLOP/s that
+implies, against the dense bf16 peak of an H200 (989 TFLOP/s): the roofline ratio at that shape.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ from eyrie.training.optimizer import make_optimizer
 SPECFORGE_TOKENS_PER_S = (16000.0, 19000.0)
 SPECFORGE_PEAK_GIB = 13.0
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000, vocab=128256)
+# The pipeline's drafter on the default target (SmolLM2-135M-Instruct), draft vocabulary as the 12,000-conversation H200 run built it.
+PIPELINE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, draft_vocab=26641, vocab=49152)
+SHAPES = {"llama-8b": LLAMA_8B, "pipeline": PIPELINE}
 SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=200, vocab=500)
 VARIANTS = {
     "baseline": dict(attention="eager", chunked_loss=False, recompute_mlp=False, frozen_bf16=False, fused_adam=False, compile=False),
@@ -48,6 +57,21 @@ VARIANTS = {
     "flex+chunked+recompute": dict(attention="flex", chunked_loss=True, recompute_mlp=True, frozen_bf16=True, fused_adam=None, compile=False),
     "flex+chunked+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None, compile=True),
 }
+
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def flops_per_token(dims: dict, ttt_steps: int, seq_len: int) -> float:
+    """Matrix-product FLOPs one trained token costs (forward 2, backward 4 per multiply-add; the target head and the
+    frozen paths forward only): fc once, then per TTT step q/k/v over 2H inputs, o, the gated MLP, the draft head,
+    causal attention over half the row on average, and the target's distribution over the full vocabulary."""
+    H, I, h, kvh, hd = dims["hidden"], dims["intermediate"], dims["heads"], dims["kv_heads"], dims["head_dim"]
+    trained = 3 * H * H  # fc
+    per_step = 2 * H * (h + 2 * kvh) * hd + h * hd * H + 3 * H * I + H * dims["draft_vocab"]
+    attention = 2 * h * hd * (seq_len / 2)  # QK^T and PV, per token, over the visible half on average
+    target_head = H * dims["vocab"]
+    return 6 * (trained + ttt_steps * (per_step + attention)) + 2 * ttt_steps * target_head
 
 
 def drafter_shape(dims: dict) -> DrafterShape:
@@ -196,6 +220,7 @@ def profile_steps(name: str, step, count: int = 2) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke test")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the drafter's shape (pipeline: the default target's, H 576)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; 64 with --small)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--ttt-steps", type=int, default=7)
@@ -207,7 +232,7 @@ def main() -> int:
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     args = parser.parse_args()
-    dims = SMALL if args.small else LLAMA_8B
+    dims = SMALL if args.small else SHAPES[args.shape]
     args.seq_len = args.seq_len or (64 if args.small else 2048)
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -230,6 +255,15 @@ def main() -> int:
         json.dump(report, f, indent=1)
 
     base = results.get("baseline", {})
+    flops = flops_per_token(dims, args.ttt_steps, args.seq_len)
+    report["flops_per_token"] = flops
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{flops / 1e9:.2f} GFLOP per trained token (matrix products, forward and backward)")
+    for name, r in results.items():
+        if "tokens_per_second" in r:
+            achieved = r["tokens_per_second"] * flops / 1e12
+            print(f"{name:<24} {achieved:>7.1f} TFLOP/s = {achieved / H200_BF16_DENSE_TFLOPS:.1%} of an H200's dense bf16 peak")
     print(f"\n{'variant':<24} {'tok/s':>9} {'peak GiB':>9} {'x base':>7} {'x SF16K':>8} {'x SF19K':>8} {'GiB/13':>7}")
     for name, r in results.items():
         if "error" in r:
