@@ -5,8 +5,9 @@
 #   plus its JSON in xz; assemble_wheels.py rebuilds it on the lease and checks sha256 against PyPI's),
 #   and the Python 3.12 wheels the lease lacks (wheels.txt).
 # Then, back to back within the lease's 30 s idle window (docs/PERFORMANCE.md, "A GPU run anyone can repeat"):
-#   run(carry=[".device/pieces/00"], command="bash benchmarks/h200/receive.sh")        # once per piece
-#   run(command="CONFIG=configs/h200.yaml bash benchmarks/h200/pipeline.sh")          # again to resume
+#   run(carry=[".device/pieces/00", ".device/clean.tar"], command="bash benchmarks/h200/receive.sh")
+#   run(carry=[".device/pieces/01"], command="bash benchmarks/h200/receive.sh")        # once per further piece
+#   run(command="cd /tmp/persist/clean && CONFIG=configs/h200.yaml bash benchmarks/h200/pipeline.sh")  # again to resume
 set -euo pipefail; cd "$(dirname "$0")/../.."
 CACHE=${CACHE:-.gl/h200}; PIECE_MB=${PIECE_MB:-56}
 mkdir -p "$CACHE/bundle/py" "$CACHE/sdist"
@@ -35,4 +36,7 @@ PY
 rm -rf .device/pieces && mkdir -p .device/pieces
 tar cf - -C "$CACHE/bundle" . | split -b "${PIECE_MB}M" -d - .device/pieces/
 (cd "$CACHE/bundle" && find . -type f | sort | xargs sha256sum) > .device/bundle.sha256
-ls -la .device/pieces; echo "carry each of .device/pieces/* in its own call of receive.sh, then run pipeline.sh"
+git archive HEAD -o .device/clean.tar  # the committed tree: carry it with the first piece
+ls -la .device/pieces .device/clean.tar
+echo "carry each of .device/pieces/* in its own call of receive.sh (.device/clean.tar with the first),"
+echo "then run: cd /tmp/persist/clean && CONFIG=configs/h200.yaml bash benchmarks/h200/pipeline.sh"
