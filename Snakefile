@@ -6,6 +6,7 @@ configfile: "config.yaml"
 
 include: "rules/common.smk"
 include: "rules/resources.smk"
+include: "rules/synthetic.smk"
 include: "rules/data.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"

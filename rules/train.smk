@@ -1,9 +1,10 @@
-# Hidden-state caches + draft vocab -> the EAGLE-3 drafter checkpoint that SGLang loads.
+# Hidden-state caches (or, with hidden.mode online, token shards and the target run in the job) + draft vocab
+# -> the EAGLE-3 drafter checkpoint that SGLang loads.
 
 
 rule train_drafter:
     input:
-        hidden=all_of("results/hidden/{dataset}/{shard}.safetensors"),
+        unpack(training_states),
         vocab="results/vocab/draft_vocab.safetensors",
         model=model_dir(),
     output:
@@ -14,6 +15,7 @@ rule train_drafter:
         # Every train.* key (attention, recompute_mlp, compile, ...) is in params: a change reruns training.
         # Resume state lives outside the declared output, which is written once at the end.
         state_dir="results/partial/train",
+        **online_params(),
     threads: workflow.cores
     resources:
         gpu=config["train"]["processes"] if config["train"]["device"] != "cpu" else 0,

@@ -1,4 +1,5 @@
-# Snakemake entry point: hidden-state caches -> EAGLE-3 drafter checkpoint (see eyrie.training.train).
+# Snakemake entry point: hidden-state caches (hidden.mode online: token shards) -> EAGLE-3 drafter checkpoint
+# (see eyrie.training.train).
 # train.processes > 1: the same training as several data-parallel ranks under torchrun.
 import torch
 
@@ -10,8 +11,14 @@ from eyrie.training.train import train_drafter
 with job_log(snakemake.log[0]):
     torch.set_num_threads(snakemake.threads)
     tokenizer = load_tokenizer(snakemake.input.model, snakemake.config["model"]["trust_remote_code"])
+    online = snakemake.params.get("online")  # hidden.mode online (rules/common.smk online_params)
+    states = (
+        dict(token_paths=list(snakemake.input.tokens), hidden_cfg=online["hidden"], model_cfg=online["model"])
+        if online
+        else dict(hidden_paths=list(snakemake.input.hidden))
+    )
     arguments = dict(
-        hidden_paths=list(snakemake.input.hidden),
+        **states,
         vocab_path=snakemake.input.vocab,
         target_dir=snakemake.input.model,
         out_dir=snakemake.output[0],

@@ -81,3 +81,25 @@ def test_planned_outputs_list_every_file_in_build_order_and_mark_a_temporary_cac
     planned = {p.path: p for p in planned_outputs(config)}
     assert not planned["results/hidden/d/0000.safetensors"].kept
     assert not any(i.startswith("results/hidden/") for i in planned["results/drafter"].inputs + planned["report.html"].inputs)
+
+
+def test_eyrie_plan_ends_with_the_hidden_cache_against_the_free_disk(tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    import yaml
+
+    from eyrie.cli import main
+
+    config = setup(tmp_path)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"hidden_size": 4096}))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({k: config[k] for k in ("model", "datasets", "generation", "plan")}))
+    # 100 prompts x (200 completion + 200 prompt tokens) at 32,773 bytes per token: about 1.3 GB against 1 GB free.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**10, 0, 10**9))
+    assert main(["plan", "--config", str(tmp_path / "config.yaml"), "-d", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    section = text[text.index("hidden-state cache (hidden.dtype bfloat16, hidden.keep true):"):]
+    assert "tokens:      ~40,000 (estimated, no token shard yet: 100 samples (datasets.d.limit) x 400 tokens per sample" in section
+    assert "bytes/token: 32,773 (H = 4,096 from model/config.json)" in section
+    assert "free space:  953.7 MiB" in section and "the cache does not fit" in section
+    assert "hidden.dtype: float8_e4m3fn: about half the bytes (625.8 MiB instead of 1.2 GiB)" in section

@@ -11,10 +11,13 @@ from eyrie.core.errors import EyrieError
 
 def _plan(args) -> None:
     from eyrie import config as cfg
-    from eyrie.plan import build_plan, format_plan
+    from eyrie.plan import build_plan, format_cache, format_plan
 
-    table, summary = build_plan(cfg.load(args.config), args.directory)
+    config = cfg.load(args.config)
+    table, summary = build_plan(config, args.directory)
     print(format_plan(table, summary))
+    print()
+    print(format_cache(config, args.directory))
 
 
 def _check_config(args) -> None:
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyrie", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    plan = commands.add_parser("plan", help="per shard: prompts done and left, tokens and hours left")
+    plan = commands.add_parser("plan", help="per shard: prompts done and left, tokens and hours left; the hidden-state cache's size against the free disk")
     plan.add_argument("--config", default="config.yaml")
     plan.add_argument("--directory", "-d", default=".", help="the pipeline's working directory")
     plan.set_defaults(run=_plan)

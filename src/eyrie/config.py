@@ -83,6 +83,17 @@ def _check_consistency(config: dict, origin: str) -> None:
         raise ConfigError(f"{origin}: model: set either model.path (a local HF directory) or model.gguf (package and member)")
     if config["bench"]["humaneval"] and "humaneval" in config["datasets"]:
         raise ConfigError(f"{origin}: datasets.humaneval: the name is taken by the HumanEval benchmark; rename the dataset")
+    for name, dataset in config["datasets"].items():
+        if "synthetic" in dataset["source"]:
+            from eyrie.data.synthetic import check_settings
+
+            check_settings(dataset["source"]["synthetic"], f"{origin}: datasets.{name}.source.synthetic")
+            if dataset["format"] == "sharegpt":
+                raise ConfigError(f"{origin}: datasets.{name}.format: a synthetic source is written in the openai shape; set format: auto or openai")
+    if config["hidden"]["mode"] == "online" and config["hidden"]["dtype"] == "float8_e4m3fn":
+        raise ConfigError(
+            f"{origin}: hidden.dtype: float8_e4m3fn is how a cache is stored, and hidden.mode online stores none; use bfloat16 (the default) or float32"
+        )
     aux_layer_ids = config["drafter"]["aux_layer_ids"]
     if aux_layer_ids is not None:
         try:

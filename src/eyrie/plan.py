@@ -6,6 +6,8 @@ they come from the config's `plan` guesses, and the output says so. The range pr
 the total combines the uncertainty of the mean reply length with the spread of throughput
 between shards, so a user sees how much to trust the number.
 
+A last section sizes the hidden-state cache against the free disk (`format_cache`, eyrie.hidden.size).
+
 It also owns the list of every file a config plans (`planned_outputs`): the Snakefile's default target
 (`rule all`) asks for all of them, and `eyrie verify` checks each one.
 """
@@ -58,15 +60,19 @@ def planned_outputs(config: dict) -> list[Planned]:
 
     The same paths as the rules in rules/*.smk (tests/test_verify.py checks them against Snakemake's own DAG).
     Downloads and the converted model under resources/ are not listed: they are inputs, fetched again when a job
-    needs them.
+    needs them. hidden.mode online plans no hidden-state cache: the drafter is made from the token shards.
     """
     datasets = sorted(config["datasets"])
     shards = {d: cfg.shard_names(config, d) for d in datasets}
+    online = config["hidden"].get("mode", "offline") == "online"  # the training job runs the target itself: no cache
     kept_hidden = config["hidden"].get("keep", True)
     planned: list[Planned] = []
     for d in datasets:
-        planned += [Planned(f"results/prompts/{d}/{s}.parquet", f"build_prompts_{d}") for s in shards[d]]
-        planned += [Planned(f"results/prompts/{d}/{name}", f"build_prompts_{d}") for name in ("heldout.parquet", "summary.json")]
+        # A synthetic source is a file the target writes first (rules/synthetic.smk); the prompts are made from it.
+        synthetic = (f"results/synthetic/{d}.parquet",) if "synthetic" in config["datasets"][d]["source"] else ()
+        planned += [Planned(path, "synthesize_prompts") for path in synthetic]
+        planned += [Planned(f"results/prompts/{d}/{s}.parquet", f"build_prompts_{d}", synthetic) for s in shards[d]]
+        planned += [Planned(f"results/prompts/{d}/{name}", f"build_prompts_{d}", synthetic) for name in ("heldout.parquet", "summary.json")]
     for d in datasets:
         for s in shards[d]:
             completions, tokens = f"results/completions/{d}/{s}.parquet", f"results/tokens/{d}/{s}.parquet"
@@ -74,10 +80,14 @@ def planned_outputs(config: dict) -> list[Planned]:
             planned.append(Planned(tokens, "tokenize_shard", (completions,)))
     tokens = tuple(p.path for p in planned if p.rule == "tokenize_shard")
     planned.append(Planned("results/vocab/draft_vocab.safetensors", "build_draft_vocab", tokens))
-    hidden = tuple(f"results/hidden/{d}/{s}.safetensors" for d in datasets for s in shards[d])
-    planned += [Planned(h, "extract_hidden", (t,), kept=kept_hidden) for h, t in zip(hidden, tokens)]
-    # A temporary cache is gone once training is done: it cannot make the drafter look stale.
-    planned.append(Planned("results/drafter", "train_drafter", (hidden if kept_hidden else ()) + ("results/vocab/draft_vocab.safetensors",)))
+    if online:
+        states = tokens
+    else:
+        hidden = tuple(f"results/hidden/{d}/{s}.safetensors" for d in datasets for s in shards[d])
+        planned += [Planned(h, "extract_hidden", (t,), kept=kept_hidden) for h, t in zip(hidden, tokens)]
+        # A temporary cache is gone once training is done: it cannot make the drafter look stale.
+        states = hidden if kept_hidden else ()
+    planned.append(Planned("results/drafter", "train_drafter", states + ("results/vocab/draft_vocab.safetensors",)))
     planned.append(Planned("results/drafter-speculators", "export_speculators", ("results/drafter",)))
     for name in benchmark_names(config):
         rule = f"benchmark_{name}" if name in WHEEL_BENCHMARKS else "benchmark_heldout"
@@ -282,3 +292,11 @@ def format_plan(table: pd.DataFrame, summary: dict) -> str:
         )
     lines.append(f"basis: {summary['basis']}")
     return "\n".join(lines)
+
+
+def format_cache(config: dict, workdir: str | Path = ".") -> str:
+    """The hidden-state cache section: its size against the free disk, with advice when it does not fit (eyrie.hidden.size)."""
+    from eyrie.hidden.size import estimate_cache, format_estimate
+
+    shards = [(d, s) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]
+    return format_estimate(estimate_cache(config, workdir, shards, model_dir(config)))

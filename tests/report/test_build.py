@@ -244,6 +244,21 @@ def test_renders_with_nothing_built(tmp_path):
     assert "prompts not built yet" in html
 
 
+def test_a_synthetic_dataset_shows_what_the_target_wrote_kept_and_dropped_with_escaped_examples(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    made = {"count": 10, "samples": 16, "kept": 9, "too_long": 3, "empty": 1, "too_short": 0, "duplicates": 2, "unused": 1,
+            "topics": ["Python functions"], "topic_as": "system", "examples": [{"topic": "Python functions", "text": f"How do I {XSS}?"}]}
+    summary = json.loads(Path(summaries[0]).read_text())
+    Path(summaries[0]).write_text(json.dumps({**summary, "synthetic": made}))
+    out = tmp_path / "report.html"
+    write_report(config, summaries, completions, tokens, str(out))
+    html = out.read_text()
+    assert "synthetic prompts written by the target: 16 generated, 9 kept of 10 asked, dropped: duplicates&nbsp;2, empty&nbsp;1, too_long&nbsp;3" in html
+    assert "short of the count" in html and "steered by topic (system): Python functions" in html
+    assert "How do I &lt;script&gt;alert(1)&lt;/script&gt;?" in html and f"How do I {XSS}" not in html
+    assert collect(config, summaries, completions, tokens)["datasets"]["rows"][1]["synthetic"] is None  # a file dataset has none
+
+
 def test_unreadable_inputs_are_reported_not_fatal(tmp_path):
     config, summaries, completions, tokens = _inputs(tmp_path)
     broken = tmp_path / "results" / "completions" / "chat" / "0002.parquet"
@@ -448,6 +463,18 @@ def test_full_report_hidden_cache(full_html):
     assert "8H+5 = 517 bytes for H = 64" in full_html
     assert "<code>[1, 3, 4]</code>" in full_html and "<code>[2, 4, 5]</code>" in full_html
     assert "hidden-state shards disagree" not in full_html
+
+
+def test_hidden_section_shows_the_free_space_at_report_time(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 0, 10 * 2**30))
+    html = _write_full(tmp_path / "full")
+    free = 10 * 2**30 / (440_000 + 178_000 + 34_000)
+    assert f"10.0 GiB free on the filesystem of <code>{tmp_path / 'full' / 'results' / 'hidden'}/" in html and f"{free:.1f}× this cache" in html
+    out = tmp_path / "empty" / "report.html"
+    write_report(_config(), [], [], [], str(out))
+    assert "Hidden states not built yet. 10.0 GiB free on the filesystem of" in out.read_text()
 
 
 def test_full_report_drafter(full_html, tmp_path_factory):

@@ -946,7 +946,7 @@ def test_read_inputs_holds_out_by_id_across_shards(tmp_path):
     def held_out_ids(paths, fraction=0.2):
         read = read_inputs(hidden_paths=paths, vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"], drafter_cfg={"ttt_steps": 3},
                            batch_tokens=64, template_sha256=TEMPLATE, target_fingerprint=FINGERPRINT, eval_fraction=fraction)
-        ids = dict(zip([(s, a) for s, a, _ in read.samples + read.held_out], read.cache.sample_ids(read.samples + read.held_out)))
+        ids = dict(zip([(s, a) for s, a, _ in read.samples + read.held_out], read.states.sample_ids(read.samples + read.held_out)))
         assert not set(read.samples) & set(read.held_out) and len(read.samples) + len(read.held_out) == 30 * len(paths)
         if read.held_out:  # the simulation runs on exactly the held-out samples
             assert sorted(r for b in read.eval_batches for r in b) == sorted(read.held_out)

@@ -22,6 +22,7 @@ import pyarrow as pa
 from eyrie.core.atomic import write_json_atomically, write_parquet_atomically
 from eyrie.core.errors import InputFileError
 from eyrie.data.sources import BadRecord, RawRecord, read_source
+from eyrie.data.synthetic import read_summary as read_synthetic_summary
 
 FORMATS = ("auto", "sharegpt", "openai")
 BAD_RECORD_POLICIES = ("error", "skip")
@@ -285,11 +286,14 @@ def build_prompts(
     shard_paths: list[str | Path],
     heldout_path: str | Path,
     summary_path: str | Path,
+    synthetic: dict | None = None,
 ) -> dict:
     """Normalise every record, keep the first `limit` distinct ones, and write shard, held-out and summary files.
 
     `records` is usually a RecordReader (its `label` names the input and its `truncation` is reported);
-    any iterable of RawRecord works. Returns the summary that was written to `summary_path`.
+    any iterable of RawRecord works. `synthetic`: for a synthetic source, what its file says of how the
+    prompts were made (eyrie.data.synthetic.read_summary), carried into the summary for the report.
+    Returns the summary that was written to `summary_path`.
     """
     _check_arguments(fmt, limit, n_shards, heldout_fraction, on_bad_record, shard_paths)
     source = source_label or getattr(records, "label", "<records>")
@@ -329,6 +333,8 @@ def build_prompts(
         "truncation": truncation.as_dict() if truncation is not None else None,
         "roles_seen": dict(collected.roles_seen.most_common()),
     }
+    if synthetic is not None:
+        summary["synthetic"] = synthetic
     write_json_atomically(summary_path, summary)  # written last: its presence means the prompt files are complete
     return summary
 
@@ -338,9 +344,12 @@ def build_prompts_for_dataset(
 ) -> dict:
     """build_prompts for one validated dataset entry of the config (what the Snakemake rule calls)."""
     source = spec["source"]
+    synthetic = None
     if "hf" in source:
         records = read_source("hf", source_path or source["hf"]["path"], source["hf"].get("split", "train"))
     else:
+        if "synthetic" in source:  # results/synthetic/<dataset>.parquet, the synthesize_prompts rule's output
+            synthetic = read_synthetic_summary(source_path)
         records = read_source("file", source_path)
     return build_prompts(
         dataset=dataset,
@@ -353,4 +362,5 @@ def build_prompts_for_dataset(
         shard_paths=shard_paths,
         heldout_path=heldout_path,
         summary_path=summary_path,
+        synthetic=synthetic,
     )

@@ -1,9 +1,10 @@
 """The extract job: run the target over a token shard and store its hidden states as one cache file.
 
-Samples run in length-sorted, token-budgeted batches (right-padded, no attention mask); forward
-hooks keep only the three capture layers' outputs; only real tokens leave the device, and a
-background thread writes each batch's rows straight to their place in the file while the next
-batch runs. The file's layout, its manifest and its readers belong to eyrie.hidden.cache.
+Samples run in length-sorted, token-budgeted batches (right-padded, no attention mask) through
+eyrie.target.states (the forward that online training shares: hooks keep only the three capture
+layers' outputs); only real tokens leave the device, and a background thread writes each batch's
+rows straight to their place in the file while the next batch runs. The file's layout, its
+manifest and its readers belong to eyrie.hidden.cache.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from eyrie.hidden.cache import (
     storage_dtype,
     storage_specs,
 )
+from eyrie.hidden.size import ensure_room, shard_bytes
 from eyrie.target.aux_layers import capture_indices
+from eyrie.target.states import TargetStates, text_config
 
 
 def plan_token_batches(lengths, batch_tokens: int) -> list[list[int]]:
@@ -44,19 +47,6 @@ def plan_token_batches(lengths, batch_tokens: int) -> list[list[int]]:
     lengths = [int(n) for n in lengths]
     nonempty = [k for k, n in enumerate(lengths) if n > 0]
     return [[nonempty[i] for i in batch] for batch in batches_by_tokens([lengths[k] for k in nonempty], batch_tokens)]
-
-
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _base_model(model):
-    """The decoder stack without the LM head (no full-vocabulary logits are ever computed)."""
-    base = getattr(model, "model", None)
-    if base is None:
-        base = model.base_model
-    return base
 
 
 class _BackgroundRows:
@@ -101,44 +91,6 @@ class _BackgroundRows:
         self.thread.join()
         if check:
             self._raise()
-
-
-def _decoder_layers(base, num_layers: int):
-    """The decoder layers to hook, or None when the model does not expose them as base.layers."""
-    layers = getattr(base, "layers", None)
-    if layers is None or len(layers) != num_layers:
-        return None
-    return layers
-
-
-class _CaptureLayers:
-    """Forward hooks that keep the outputs of the layers behind the capture indices (output_hidden_states[c] is
-    the output of decoder layer c - 1), so the forward holds three states instead of all num_layers + 1."""
-
-    def __init__(self, layers, capture: list[int]):
-        self.layers, self.capture, self.outputs, self.handles = layers, capture, {}, []
-
-    def __enter__(self):
-        for c in self.capture:
-            self.handles.append(self.layers[c - 1].register_forward_hook(self._keep(c)))
-        return self
-
-    def _keep(self, c: int):
-        def hook(module, args, output):
-            self.outputs[c] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def take(self) -> list:
-        states = [self.outputs.pop(c, None) for c in self.capture]
-        if any(s is None for s in states):
-            raise HiddenCacheError(f"the capture hooks saw no output for capture indices {self.capture}; the target's decoder layers were not called")
-        return states
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.outputs.clear()
 
 
 def _batch_inputs(batch, lengths, offsets, ids_t):
@@ -202,7 +154,7 @@ def extract_shard(
             f"{tokens_path}: tokenized with chat template {tokenized_with!r}, but the target's template is "
             f"{template_sha256!r}; re-tokenize with this target or point model.path at the one used"
         )
-    config = _text_config(model)
+    config = text_config(model)
     num_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
     capture = capture_indices(aux_layer_ids, num_layers)
     out_dtype = storage_dtype(dtype)
@@ -211,8 +163,6 @@ def extract_shard(
     lengths = np.diff(offsets)
     total = int(offsets[-1])
     device = next(model.parameters()).device
-    base = _base_model(model)
-    layers = _decoder_layers(base, num_layers)
     batches = plan_token_batches(lengths, batch_tokens)
     dtype_name = str(out_dtype).removeprefix("torch.")
 
@@ -233,6 +183,8 @@ def extract_shard(
     }
     if is_fp8(dtype_name):
         manifest["scales"] = FP8_SCALES_NOTE
+    # Refuse before the first forward: a full disk would otherwise fail the job hours in, at the last batch.
+    ensure_room(out_path, shard_bytes(hidden, dtype_name, len(sample_ids), total, manifest), dtype_name)
     ids_t = torch.from_numpy(input_ids)
     bar = tqdm(
         total=len(sample_ids),
@@ -252,32 +204,11 @@ def extract_shard(
             writer.write_rows("input_ids", 0, ids_t)
             writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask))
             start, done_tokens = time.perf_counter(), 0
-            with torch.inference_mode(), _CaptureLayers(layers or [], capture if layers else []) as hooks:
+            with torch.inference_mode(), TargetStates(model, capture, HiddenCacheError) as target:
                 for batch in batches:
                     x, keep, placements = _batch_inputs(batch, lengths, offsets, ids_t)
-                    # Right padding needs no attention mask: under the causal mask a real token never sees the
-                    # padding after it, and leaving the mask out lets SDPA take its causal (flash) kernels.
-                    out = base(
-                        input_ids=_to_device(x, device),
-                        output_hidden_states=layers is None,
-                        use_cache=False,
-                        return_dict=True,
-                    )
-                    if layers is None:
-                        if len(out.hidden_states) != num_layers + 1:
-                            raise HiddenCacheError(
-                                f"the target returned {len(out.hidden_states)} hidden states, expected {num_layers + 1} "
-                                "(embeddings + one per decoder layer); cannot map aux layer ids"
-                            )
-                        states = [out.hidden_states[c] for c in capture]
-                    else:
-                        states = hooks.take()
-                    # Only the real tokens leave the device, gathered by index (no host sync); last_hidden_state is
-                    # the decoder stack's output after its final norm: what the LM head reads.
-                    keep_d = _to_device(keep, device)
-                    aux = torch.cat([s.reshape(-1, hidden).index_select(0, keep_d) for s in states], dim=-1)  # (n, 3H)
-                    final = out.last_hidden_state.reshape(-1, hidden).index_select(0, keep_d)  # (n, H)
-                    del out, states
+                    # Only the real tokens leave the device (eyrie.target.states: right padding, no attention mask).
+                    aux, final = target.states(_to_device(x, device), _to_device(keep, device))  # (n, 3H), (n, H)
                     host, ready = _to_host(encode_rows(aux, final, out_dtype), device)
                     del aux, final
                     rows.put(ready, host, placements)

@@ -76,6 +76,7 @@ def collect(
 
     vocab_figures = vocab_section(vocab, warnings)
     hidden_figures = hidden_section([str(p) for p in hidden or []], order, warnings)
+    hidden_figures["mode"] = (config.get("hidden") or {}).get("mode", "offline")  # online: the training job ran the target, no cache
     bench_figures = bench_section([str(p) for p in bench or []], warnings, config, drafter)
     drafter_figures = drafter_section(drafter, config, bench_figures, warnings)  # after bench: it serves the k the benchmarks measured
     consistency = across_stages(token_figures, vocab_figures, hidden_figures, drafter_figures, bench_figures, warnings)

@@ -157,6 +157,31 @@ def _dataset_row(name: str, summary: dict | None) -> dict[str, Any]:
         "train": summary.get("train"),
         "shards": {str(k): int(v) for k, v in sorted((summary.get("shards") or {}).items())},
         "roles_seen": {str(k): int(v) for k, v in (summary.get("roles_seen") or {}).items()},
+        "synthetic": _synthetic(summary.get("synthetic")),
+    }
+
+
+SYNTHETIC_DROPS = ("duplicates", "empty", "too_short", "too_long")
+
+
+def _synthetic(made: Any) -> dict[str, Any] | None:
+    """How the target wrote a synthetic dataset's prompts (eyrie.data.synthetic): samples, kept, drops, examples."""
+    if not isinstance(made, dict):
+        return None
+
+    def count(key: str) -> int:
+        return int(made.get(key) or 0)
+
+    return {
+        "count": count("count"),
+        "samples": count("samples"),
+        "kept": count("kept"),
+        "dropped": {key: count(key) for key in SYNTHETIC_DROPS if count(key)},
+        "unused": count("unused"),
+        "topics": [str(t) for t in made.get("topics") or []],
+        "topic_as": str(made.get("topic_as") or ""),
+        "examples": [{"topic": str(e.get("topic") or ""), "text": str(e.get("text") or "")}
+                     for e in made.get("examples") or [] if isinstance(e, dict)],
     }
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from eyrie.core.artifacts import ArtifactError, read_json, read_safetensors_manifest
 from eyrie.core.digest import verify_recorded_files
+from eyrie.core.disk import free_space
 from eyrie.report.formats import fmt_num, show
 from eyrie.report.serve import serve_command, setting_command
 from eyrie.report.values import distinct, number, rate, warn
@@ -109,7 +110,8 @@ HIDDEN_AGREE = (
 
 
 def hidden_section(paths: list[str], order: list[str], warnings: list) -> dict[str, Any]:
-    """The hidden-state cache: per-shard manifests summed per dataset, the settings every shard must share, bytes per token."""
+    """The hidden-state cache: per-shard manifests summed per dataset, the settings every shard must share, bytes per token,
+    and the free space at report time on the filesystem it lives on."""
     shards = []
     for path in paths:
         if not Path(path).exists():
@@ -131,7 +133,9 @@ def hidden_section(paths: list[str], order: list[str], warnings: list) -> dict[s
             "bytes_per_token": rate(file_bytes, tokens),
             **{key: manifest.get(key) for key, _ in HIDDEN_AGREE},
         })
-    figures: dict[str, Any] = {"expected": len(paths), "shards": shards, "datasets": [], "total": None}
+    # The disk at report time: what a rerun, a larger dataset or another dtype has to fit in.
+    free_bytes, free_path = free_space(Path(paths[0]).parent if paths else Path("results/hidden"))
+    figures: dict[str, Any] = {"expected": len(paths), "shards": shards, "datasets": [], "total": None, "free_bytes": free_bytes, "free_path": str(free_path)}
     if not shards:
         return figures
     for key, label in HIDDEN_AGREE:

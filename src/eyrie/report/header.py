@@ -34,7 +34,11 @@ def stages_header(
         "completions": (bool(completion_shards), f"{len(completion_shards)} of {shards_expected} shards"),
         "tokens": (bool(token_shards), f"{len(token_shards)} of {shards_expected} shards"),
         "draft vocab": (vocab is not None, f"{fmt_num((vocab or {}).get('draft_vocab_size'))} tokens, {fmt_pct((vocab or {}).get('coverage'))} coverage"),
-        "hidden states": (bool(hidden["shards"]), f"{len(hidden['shards'])} of {hidden['expected']} shards"),
+        "hidden states": (
+            (drafter is not None, "computed in the training job (hidden.mode online), no cache")
+            if hidden.get("mode") == "online"
+            else (bool(hidden["shards"]), f"{len(hidden['shards'])} of {hidden['expected']} shards")
+        ),
         "drafter": (drafter is not None, f"{fmt_num(((drafter or {}).get('metrics') or {}).get('steps'))} training steps"),
         "benchmark": (bool(measured), f"{len(measured)} of {len(bench['rows'])} benchmarks" + (f", {errors} with an error" if errors else "")),
     }

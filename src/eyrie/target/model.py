@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str, device: str):
     import torch
 
     if dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if str(device).split(":")[0] == "cuda" else torch.float32  # "cuda:1" too (a data-parallel rank)
     return getattr(torch, dtype)
 
 
@@ -68,8 +68,8 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_target(model_dir: str | Path, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
-    """Load (model, tokenizer) for inference; weights come from safetensors only."""
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
+    """The model alone, for inference (eval mode); weights come from safetensors only."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
@@ -80,7 +80,12 @@ def load_target(model_dir: str | Path, dtype: str = "auto", device: str = "auto"
         use_safetensors=True,
     ).to(device)
     model.eval()
-    return model, load_tokenizer(model_dir, trust_remote_code)
+    return model
+
+
+def load_target(model_dir: str | Path, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
+    """Load (model, tokenizer) for inference; weights come from safetensors only."""
+    return load_model(model_dir, dtype, device, trust_remote_code), load_tokenizer(model_dir, trust_remote_code)
 
 
 def template_fingerprint(tokenizer) -> str:

@@ -1,9 +1,12 @@
 """What training reads, checked to fit together before the first step.
 
-The hidden-state cache (read lazily, one batch's rows at a time), the draft vocabulary and the
-target's config; every guard runs in read_inputs, so a run that would train a useless drafter
-stops before it writes anything. Each cache shard is checked against its content digest first
-(one read of the file, eyrie.hidden.cache.check_cache); the digests also name the data in the run's
+The target's states come from a source (StateSource): the hidden-state cache (HiddenCache, read
+lazily, one batch's rows at a time; hidden.mode offline) or the target itself, run in the training job
+(eyrie.training.online.OnlineStates; hidden.mode online). Both hold the same samples in the same order
+and return the same batches, so a seed trains the same drafter either way. With the draft vocabulary
+and the target's config, every guard runs in read_inputs, so a run that would train a useless drafter
+stops before it writes anything. Each shard is checked against its content digest first (one read of
+the file, eyrie.hidden.cache.check_cache for a cache shard); the digests also name the data in the run's
 resume identity (eyrie.training.state.run_identity).
 """
 
@@ -14,28 +17,128 @@ from typing import Any
 
 import torch
 
+from eyrie.core.artifacts import rebuild_hint
 from eyrie.core.batching import batches_by_tokens
 from eyrie.core.digest import file_digest
 from eyrie.core.errors import EyrieError
 from eyrie.data.vocab import VocabError, load_draft_vocab
 from eyrie.drafter.model import DrafterShape
-from eyrie.hidden.cache import DIGEST, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
+from eyrie.hidden.cache import DIGEST, WRITTEN_BY, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
 from eyrie.hidden.fp8 import FP8_NAME
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.target.head import target_text_config
 from eyrie.training.errors import TrainingInputError
 from eyrie.training.holdout import MIN_CACHE_SAMPLES, held_out_indices, held_out_note, spread_batches
 
-Sample = tuple[int, int, int]  # (cache shard, first token, length)
+Sample = tuple[int, int, int]  # (shard, first token, length)
 
 
-class HiddenCache:
-    """The shards of the hidden-state cache, read lazily: only each batch's rows leave the files.
+class StateSource:
+    """Training's samples and, batch by batch, the target's states for them.
+
+    What both sources share: each shard's token columns (input_ids, loss_mask, offsets: sample k is
+    offsets[k]:offsets[k + 1]) and sample ids, and from them the samples, their ids and the padded token
+    tensors of a batch. A source adds the states (batch, non_finite), its own checks (check) and what the
+    resume identity records of each shard (manifests, digests).
+    """
+
+    paths: list[str]  # one per shard
+    manifests: list[dict]  # what the resume identity records of each shard
+    digests: list[str]  # each shard's content digest, also in the identity
+    states_name: str  # how error messages name the states ("cached states")
+    input_ids: list[torch.Tensor]  # per shard: long [T]
+    loss_mask: list[torch.Tensor]  # per shard: bool [T]
+    offsets: list[torch.Tensor]  # per shard: long [samples + 1]
+    names: list[list | None]  # per shard: the sample ids in offsets order (None: not recorded)
+
+    def samples(self, max_len: int) -> tuple[list[Sample], int, int]:
+        """(shard, start, length) of every sample with something to train on; also (#truncated, #skipped)."""
+        out, truncated, skipped = [], 0, 0
+        for s, (offsets, mask) in enumerate(zip(self.offsets, self.loss_mask)):
+            for k in range(offsets.numel() - 1):
+                a, b = int(offsets[k]), int(offsets[k + 1])
+                n = b - a
+                if n > max_len:
+                    truncated += 1
+                    n = max_len
+                # Trainable positions predict tokens 2..n-1 (the first needs aux at 0 and token 1).
+                if n < 3 or not bool(mask[a + 2 : a + n].any()):
+                    skipped += 1
+                    continue
+                out.append((s, a, n))
+        return out, truncated, skipped
+
+    def sample_ids(self, samples: list[Sample]) -> list[str]:
+        """The id of each sample (a shard's ids name its samples in offsets order)."""
+        by_start = {}
+        for s, (path, ids, offsets) in enumerate(zip(self.paths, self.names, self.offsets)):
+            if not isinstance(ids, list) or len(ids) != offsets.numel() - 1:
+                raise TrainingInputError(
+                    f"{path}: the manifest's ids do not name its {offsets.numel() - 1} samples, so no held-out samples can be chosen; "
+                    "rebuild the cache, or set train.eval_fraction: 0"
+                )
+            for k, sample_id in enumerate(ids):  # ascending: an empty sample's start is the next one's, which wins
+                by_start[(s, int(offsets[k]))] = str(sample_id)
+        return [by_start[(s, a)] for s, a, _ in samples]
+
+    def describe(self, refs: list[Sample]) -> dict[str, list[str]]:
+        """{shard path: the samples' ids} of refs, for error messages (a token offset where the shard has no ids)."""
+        named: dict[str, list[str]] = {}
+        for s, a, _ in refs:
+            ids, offsets = self.names[s], self.offsets[s].tolist()
+            starts = [k for k in range(len(offsets) - 1) if offsets[k] == a]  # the last: an empty sample shares its start
+            usable = isinstance(ids, list) and len(ids) == len(offsets) - 1 and starts
+            named.setdefault(self.paths[s], []).append(str(ids[starts[-1]]) if usable else f"the sample at token {a}")
+        return named
+
+    def tokens(self, refs: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids, loss_mask [B, L] right-padded with zeros (L: the longest of refs) and lengths [B], on the host."""
+        B, L = len(refs), max(n for _, _, n in refs)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        for row, (s, a, n) in enumerate(refs):
+            ids[row, :n] = self.input_ids[s][a : a + n]
+            mask[row, :n] = self.loss_mask[s][a : a + n]
+        return ids, mask, torch.tensor([n for _, _, n in refs], dtype=torch.long)
+
+    def check(self, *, target_config, aux_layer_ids: list[int], template_sha256: str, target_fingerprint: str) -> list[int]:
+        """Raise unless the source fits this target, template and layer set; returns the aux layer ids its states are of."""
+        raise NotImplementedError
+
+    def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype), input_ids, loss_mask [B, L], lengths [B]."""
+        raise NotImplementedError
+
+    def non_finite(self, refs: list[Sample]) -> list[Sample]:
+        """The refs whose states (aux or final) hold a NaN or an infinity."""
+        raise NotImplementedError
+
+    def not_finite_cause(self, path: str, ids: list[str]) -> str:
+        """Why these samples' states are not finite, and the fix, for the NonFiniteError message."""
+        raise NotImplementedError
+
+
+def padded_batch(aux: torch.Tensor, final: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, device) -> dict:
+    """The batch dict training reads (StateSource.batch), every tensor on device."""
+    return {
+        "aux": aux.to(device),
+        "final": final.to(device),
+        "input_ids": ids.to(device),
+        "loss_mask": mask.to(device),
+        "lengths": lengths.to(device),
+        "tokens": int(lengths.sum()),
+    }
+
+
+class HiddenCache(StateSource):
+    """The shards of the hidden-state cache, read lazily: only each batch's rows leave the files (hidden.mode offline).
 
     Every shard is checked against its recorded content digest before any tensor is read; `digests`
     holds them (computed here for a shard written before eyrie recorded digests), so the resume identity
     covers the values, not only the manifests.
     """
+
+    states_name = "cached states"
 
     def __init__(self, paths: list[str]):
         if not paths:
@@ -43,6 +146,7 @@ class HiddenCache:
         self.paths = [str(p) for p in paths]
         self.manifests = [read_manifest(p) for p in self.paths]
         self.digests = [check_cache(p) or file_digest(p, DIGEST) for p in self.paths]
+        self.names = [m.get("ids") for m in self.manifests]
         self._handles = [_open(p) for p in self.paths]
         # float8 shards carry per-token scales; batch() dequantizes, so training sees float32 either way.
         self.fp8 = [m.get("dtype") == FP8_NAME for m in self.manifests]
@@ -70,46 +174,34 @@ class HiddenCache:
             self.offsets.append(offsets)
             self.widths.append((int(aux_shape[1]), int(final_shape[1])))
 
-    def samples(self, max_len: int) -> tuple[list[Sample], int, int]:
-        """(shard, start, length) of every sample with something to train on; also (#truncated, #skipped)."""
-        out, truncated, skipped = [], 0, 0
-        for s, (offsets, mask) in enumerate(zip(self.offsets, self.loss_mask)):
-            for k in range(offsets.numel() - 1):
-                a, b = int(offsets[k]), int(offsets[k + 1])
-                n = b - a
-                if n > max_len:
-                    truncated += 1
-                    n = max_len
-                # Trainable positions predict tokens 2..n-1 (the first needs aux at 0 and token 1).
-                if n < 3 or not bool(mask[a + 2 : a + n].any()):
-                    skipped += 1
-                    continue
-                out.append((s, a, n))
-        return out, truncated, skipped
-
-    def sample_ids(self, samples: list[Sample]) -> list[str]:
-        """The manifest id of each sample (the manifest's ``ids`` name the samples in offsets order)."""
-        by_start = {}
-        for s, (path, manifest, offsets) in enumerate(zip(self.paths, self.manifests, self.offsets)):
-            ids = manifest.get("ids")
-            if not isinstance(ids, list) or len(ids) != offsets.numel() - 1:
+    def check(self, *, target_config, aux_layer_ids: list[int], template_sha256: str, target_fingerprint: str) -> list[int]:
+        """One target, template, layer set and width for all shards, and the ones in use; returns the cache's aux layer ids."""
+        H = int(target_config.hidden_size)
+        first = self.manifests[0]
+        for path, manifest in zip(self.paths, self.manifests):
+            for key in ("aux_layer_ids", "target_model_fingerprint", "template_sha256", "hidden_size"):
+                if manifest.get(key) != first.get(key):
+                    raise TrainingInputError(
+                        f"hidden-state caches disagree on {key}: {self.paths[0]} has {first.get(key)!r}, {path} has {manifest.get(key)!r}; "
+                        "delete results/hidden/ so all shards are rebuilt with one target and settings"
+                    )
+            check_manifest(
+                manifest,
+                target_model_fingerprint=target_fingerprint,
+                template_sha256=template_sha256,
+                aux_layer_ids=aux_layer_ids,
+                hidden_size=H,
+                path=path,
+            )
+        for path, (aux_w, final_w) in zip(self.paths, self.widths):
+            if aux_w != 3 * H:
                 raise TrainingInputError(
-                    f"{path}: the manifest's ids do not name its {offsets.numel() - 1} samples, so no held-out samples can be chosen; "
-                    "rebuild the cache, or set train.eval_fraction: 0"
+                    f"{path}: aux_hidden is {aux_w} wide, but the drafter's fc takes 3 x target hidden = {3 * H} "
+                    "(three concatenated aux layers, not the final state); rebuild the cache"
                 )
-            for k, sample_id in enumerate(ids):  # ascending: an empty sample's start is the next one's, which wins
-                by_start[(s, int(offsets[k]))] = str(sample_id)
-        return [by_start[(s, a)] for s, a, _ in samples]
-
-    def describe(self, refs: list[Sample]) -> dict[str, list[str]]:
-        """{shard path: the samples' manifest ids} of refs, for error messages (a token offset where the manifest has no ids)."""
-        named: dict[str, list[str]] = {}
-        for s, a, _ in refs:
-            ids, offsets = self.manifests[s].get("ids"), self.offsets[s].tolist()
-            starts = [k for k in range(len(offsets) - 1) if offsets[k] == a]  # the last: an empty sample shares its start
-            usable = isinstance(ids, list) and len(ids) == len(offsets) - 1 and starts
-            named.setdefault(self.paths[s], []).append(str(ids[starts[-1]]) if usable else f"the sample at token {a}")
-        return named
+            if final_w != H:
+                raise TrainingInputError(f"{path}: final_hidden is {final_w} wide, the target's hidden size is {H}; rebuild the cache")
+        return [int(i) for i in first.get("aux_layer_ids")]
 
     def non_finite(self, refs: list[Sample]) -> list[Sample]:
         """The refs whose cached states (aux or final, as stored and dequantized) hold a NaN or an infinity."""
@@ -120,29 +212,21 @@ class HiddenCache:
                 bad.append((s, a, n))
         return bad
 
+    def not_finite_cause(self, path: str, ids: list[str]) -> str:
+        return f"the cached states of {', '.join(ids)} in {path} are not finite: the cache is corrupt, {rebuild_hint(WRITTEN_BY, path)}"
+
     def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized), input_ids, loss_mask [B, L], lengths [B]."""
-        B, L = len(refs), max(n for _, _, n in refs)
+        ids, mask, lengths = self.tokens(refs)
+        B, L = ids.shape
         aux_w, final_w = self.widths[refs[0][0]]
         aux = torch.zeros(B, L, aux_w, dtype=dtype)
         final = torch.zeros(B, L, final_w, dtype=dtype)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.bool)
         for row, (s, a, n) in enumerate(refs):
             f = self._handles[s]
             aux[row, :n] = read_state_rows(f, "aux_hidden", a, a + n, self.fp8[s]).to(dtype)
             final[row, :n] = read_state_rows(f, "final_hidden", a, a + n, self.fp8[s]).to(dtype)
-            ids[row, :n] = self.input_ids[s][a : a + n]
-            mask[row, :n] = self.loss_mask[s][a : a + n]
-        lengths = torch.tensor([n for _, _, n in refs], dtype=torch.long)
-        return {
-            "aux": aux.to(device),
-            "final": final.to(device),
-            "input_ids": ids.to(device),
-            "loss_mask": mask.to(device),
-            "lengths": lengths.to(device),
-            "tokens": int(lengths.sum()),
-        }
+        return padded_batch(aux, final, ids, mask, lengths, device)
 
 
 def _open(path: str):
@@ -158,7 +242,7 @@ def _open(path: str):
 class TrainingInputs:
     """Everything a run trains on, checked to fit together."""
 
-    cache: HiddenCache
+    states: StateSource  # the samples and their target states: HiddenCache, or OnlineStates (hidden.mode online)
     target_config: Any  # the target's transformers (text) config
     d2t: torch.Tensor  # int64 offsets: draft id i is target id i + d2t[i]
     t2d: torch.Tensor  # bool over the target vocabulary
@@ -175,7 +259,6 @@ class TrainingInputs:
 
 def read_inputs(
     *,
-    hidden_paths: list[str],
     vocab_path: str,
     target_dir: str,
     drafter_cfg: dict,
@@ -183,8 +266,11 @@ def read_inputs(
     template_sha256: str,
     target_fingerprint: str,
     eval_fraction: float = 0.0,
+    hidden_paths: list[str] | None = None,
+    states: StateSource | None = None,
 ) -> TrainingInputs:
-    """Read the cache, the draft vocabulary and the target's config, run every guard, hold out eval_fraction of the samples, and plan the batches."""
+    """Read the states' source (states, or a HiddenCache over hidden_paths), the draft vocabulary and the target's config,
+    run every guard, hold out eval_fraction of the samples, and plan the batches."""
     ttt_steps = int(drafter_cfg["ttt_steps"])
     if ttt_steps < 1:
         raise TrainingInputError(f"drafter.ttt_steps must be at least 1, got {ttt_steps}")
@@ -193,28 +279,29 @@ def read_inputs(
         d2t, t2d, vocab_manifest = load_draft_vocab(vocab_path)  # checks d2t (int64 offsets) against t2d (bool)
     except VocabError as exc:  # names the file
         raise TrainingInputError(str(exc)) from None
-    cache = HiddenCache(hidden_paths)
+    if states is None:
+        states = HiddenCache(hidden_paths or [])
     aux_ids = _check_inputs(
-        cache=cache, target_config=target_config, d2t=d2t, t2d=t2d, vocab_manifest=vocab_manifest, vocab_path=str(vocab_path),
+        states=states, target_config=target_config, d2t=d2t, t2d=t2d, vocab_manifest=vocab_manifest, vocab_path=str(vocab_path),
         drafter_cfg=drafter_cfg, template_sha256=template_sha256, target_fingerprint=target_fingerprint,
     )
     shape = DrafterShape.from_target(target_config, int(d2t.numel()), aux_ids, norm_before_fc=bool(drafter_cfg.get("norm_before_fc", False)),
                                      norm_output=bool(drafter_cfg.get("norm_output", False)))
-    samples, truncated, skipped = cache.samples(batch_tokens)
+    samples, truncated, skipped = states.samples(batch_tokens)
     if not samples:
         raise TrainingInputError(
-            f"no trainable samples in {len(cache.paths)} cache shard(s) ({skipped} too short or without assistant tokens after position 2)"
+            f"no trainable samples in {len(states.paths)} shard(s) ({skipped} too short or without assistant tokens after position 2)"
         )
     cache_samples = len(samples)
     holds_out = eval_fraction > 0 and cache_samples >= MIN_CACHE_SAMPLES  # a tiny cache's samples all train (and need no ids)
-    held_out_at = set(held_out_indices(cache.sample_ids(samples), eval_fraction)) if holds_out else set()
+    held_out_at = set(held_out_indices(states.sample_ids(samples), eval_fraction)) if holds_out else set()
     held_out = [sample for k, sample in enumerate(samples) if k in held_out_at]
     samples = [sample for k, sample in enumerate(samples) if k not in held_out_at]
     if not samples:
         raise TrainingInputError(f"train.eval_fraction {eval_fraction} holds out all {cache_samples} trainable samples; lower it")
     batches = _plan(samples, batch_tokens)
     eval_batches = _plan(held_out, batch_tokens) if held_out else spread_batches(batches)
-    return TrainingInputs(cache, target_config, d2t, t2d, vocab_manifest, shape, samples, batches, truncated, skipped,
+    return TrainingInputs(states, target_config, d2t, t2d, vocab_manifest, shape, samples, batches, truncated, skipped,
                           held_out, eval_batches, held_out_note(eval_fraction, cache_samples, len(held_out)))
 
 
@@ -222,9 +309,10 @@ def _plan(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
     return [[samples[k] for k in b] for b in batches_by_tokens([n for _, _, n in samples], batch_tokens)]
 
 
-def _check_inputs(*, cache: HiddenCache, target_config, d2t, t2d, vocab_manifest: dict, vocab_path: str, drafter_cfg: dict, template_sha256: str, target_fingerprint: str) -> list[int]:
+def _check_inputs(*, states: StateSource, target_config, d2t, t2d, vocab_manifest: dict, vocab_path: str, drafter_cfg: dict, template_sha256: str,
+                  target_fingerprint: str) -> list[int]:
     """Every guard that must pass before a single step; returns the aux layer ids to train with."""
-    V, H, N = int(target_config.vocab_size), int(target_config.hidden_size), int(target_config.num_hidden_layers)
+    V, N = int(target_config.vocab_size), int(target_config.num_hidden_layers)
 
     # Draft vocabulary: fits the target (load_draft_vocab checked that d2t and t2d agree).
     Vd = int(d2t.numel())
@@ -242,39 +330,15 @@ def _check_inputs(*, cache: HiddenCache, target_config, d2t, t2d, vocab_manifest
             f"{template_sha256[:12]}; rebuild the draft vocabulary"
         )
 
-    # Cache: one target, template, layer set and width for all shards, and the ones in use.
-    first = cache.manifests[0]
-    aux_ids = first.get("aux_layer_ids")
+    # States: of the layers in use, this target and template (each source checks its own way).
     configured = drafter_cfg.get("aux_layer_ids")
     wanted = list(configured) if configured is not None else default_aux_layer_ids(N)
     try:
         capture_indices(wanted, N)
     except EyrieError as exc:
         raise TrainingInputError(f"drafter.aux_layer_ids: {exc}") from None
-    for path, manifest in zip(cache.paths, cache.manifests):
-        for key in ("aux_layer_ids", "target_model_fingerprint", "template_sha256", "hidden_size"):
-            if manifest.get(key) != first.get(key):
-                raise TrainingInputError(
-                    f"hidden-state caches disagree on {key}: {cache.paths[0]} has {first.get(key)!r}, {path} has {manifest.get(key)!r}; "
-                    "delete results/hidden/ so all shards are rebuilt with one target and settings"
-                )
-        check_manifest(
-            manifest,
-            target_model_fingerprint=target_fingerprint,
-            template_sha256=template_sha256,
-            aux_layer_ids=wanted,
-            hidden_size=H,
-            path=path,
-        )
-    for path, (aux_w, final_w) in zip(cache.paths, cache.widths):
-        if aux_w != 3 * H:
-            raise TrainingInputError(
-                f"{path}: aux_hidden is {aux_w} wide, but the drafter's fc takes 3 x target hidden = {3 * H} "
-                "(three concatenated aux layers, not the final state); rebuild the cache"
-            )
-        if final_w != H:
-            raise TrainingInputError(f"{path}: final_hidden is {final_w} wide, the target's hidden size is {H}; rebuild the cache")
-    for path, ids in zip(cache.paths, cache.input_ids):
+    aux_ids = states.check(target_config=target_config, aux_layer_ids=wanted, template_sha256=template_sha256, target_fingerprint=target_fingerprint)
+    for path, ids in zip(states.paths, states.input_ids):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
-            raise TrainingInputError(f"{path}: token ids outside the target vocabulary [0, {V}); the cache is from another target")
-    return [int(i) for i in aux_ids]
+            raise TrainingInputError(f"{path}: token ids outside the target vocabulary [0, {V}); the shard was tokenized for another target")
+    return aux_ids

@@ -4,7 +4,8 @@
 states, and with train.keep_best the kept epoch's weights) and state.json (everything else, naming that file). Each is written then renamed, the
 tensors first, so state.json always names a complete file; older tensor files go only after.
 A state is resumed only by a run of the same inputs and settings (run_identity): the cache's manifests
-and content digests, so a re-extracted cache with the same manifest but other values starts over.
+and content digests, so a re-extracted cache with the same manifest but other values starts over
+(hidden.mode online: each token shard's digest and the online settings, with the target's fingerprint).
 The tensors file is written with an xxh3-128 digest (eyrie.core.digest): it can reach GBs at 8B widths
 and is rewritten every few hundred steps.
 """
@@ -48,8 +49,8 @@ class RunRecord:
 def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str,
                  cache_digests: list[str | None] = ()) -> str:
     """Identity of a training run: what must match for a saved state to be resumed (every train setting but log_every:
-    eval_fraction too, since it decides which samples train), and the data: each cache shard's manifest and content digest
-    (eyrie.training.inputs.HiddenCache.digests)."""
+    eval_fraction too, since it decides which samples train), and the data: each shard's manifest and content digest
+    (eyrie.training.inputs.StateSource: a cache shard's, or online a token shard's, whose states the target fingerprint pins)."""
     digest = hashlib.sha256()
     for manifest in manifests:
         digest.update(json.dumps({k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token")}, sort_keys=True).encode())

@@ -1,5 +1,7 @@
-"""Train the EAGLE-3 drafter on the hidden-state cache, with training-time test (TTT): the job driver.
+"""Train the EAGLE-3 drafter on the target's hidden states, with training-time test (TTT): the job driver.
 
+The states come from the hidden-state cache (hidden.mode offline) or from the target itself, run in this
+job for each batch (hidden.mode online, eyrie.training.online); either way the same batches.
 train_drafter runs one job in phases, each a function below, top to bottom: read and check the
 inputs (eyrie.training.inputs), settle the run (ranks, device, precision, attention, steps), build
 the drafter, its optimizer and the TTT objective (eyrie.training.objective), resume, the steps, and
@@ -31,22 +33,21 @@ from typing import Any, Callable
 
 import torch
 
-from eyrie.core.artifacts import rebuild_hint
 from eyrie.core.errors import EyrieError
 from eyrie.core.schema import with_defaults
 from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
 from eyrie.drafter.model import Eagle3Drafter
-from eyrie.hidden.cache import WRITTEN_BY as CACHE_WRITTEN_BY
 from eyrie.target.head import TargetHeadError, load_target_head
 from eyrie.training.acceptance import acceptance_line, simulate_acceptance
 from eyrie.training.distributed import DistributedContext, data_parallel, distributed_context, rank_share
 from eyrie.training.errors import NonFiniteError, TrainingInputError
 from eyrie.training.holdout import HELD_OUT_SOURCE, TRAINING_SOURCE
-from eyrie.training.inputs import TrainingInputs, read_inputs
+from eyrie.training.inputs import HiddenCache, StateSource, TrainingInputs, read_inputs
 from eyrie.training.keep_best import best_record, is_better, kept_note, restore, snapshot
 from eyrie.training.metrics import add_step, final_metrics, log_entry, log_line, new_window
 from eyrie.training.noise import add_hidden_noise
 from eyrie.training.objective import TTTObjective, train_step
+from eyrie.training.online import OnlineStates
 from eyrie.training.optimizer import learning_rate, make_optimizer
 from eyrie.training.state import RunRecord, epoch_order, load_state, run_identity, save_state
 from eyrie.training.ttt_attention import resolve_attention
@@ -87,7 +88,7 @@ class _Trainer:
 
 def train_drafter(
     *,
-    hidden_paths: list[str],
+    hidden_paths: list[str] | None = None,
     vocab_path: str,
     target_dir: str,
     out_dir: str,
@@ -100,8 +101,15 @@ def train_drafter(
     save_every_steps: int = 200,
     save_every_seconds: float = 600.0,
     on_step=None,
+    token_paths: list[str] | None = None,
+    hidden_cfg: dict | None = None,
+    model_cfg: dict | None = None,
 ) -> dict:
     """Train the drafter and write out_dir (config.json, model.safetensors, training_log.json) once, atomically.
+
+    The states: hidden.mode offline (hidden_cfg's mode, the default) reads the cache shards hidden_paths;
+    online runs the target (target_dir, loaded as model_cfg's dtype and trust_remote_code say) over the token
+    shards token_paths, rounding its states through hidden_cfg's dtype as the cache would.
 
     Resumes from state_dir when a state of the same inputs and settings is there; saves one every
     save_every_steps steps or save_every_seconds seconds and at the end of each epoch.
@@ -118,17 +126,20 @@ def train_drafter(
         NCCL_NVLS_ENABLE=0 python -m torch.distributed.run --standalone --nproc_per_node 2 -m eyrie.training.train args.json
     """
     drafter_cfg, train_cfg = with_defaults("drafter", drafter_cfg), with_defaults("train", train_cfg)
+    states = _state_source(hidden_paths, token_paths, target_dir, with_defaults("hidden", hidden_cfg), with_defaults("model", model_cfg))
     inputs = read_inputs(
-        hidden_paths=hidden_paths, vocab_path=vocab_path, target_dir=target_dir, drafter_cfg=drafter_cfg,
+        states=states, vocab_path=vocab_path, target_dir=target_dir, drafter_cfg=drafter_cfg,
         batch_tokens=int(train_cfg["batch_tokens"]), template_sha256=template_sha256, target_fingerprint=target_fingerprint,
         eval_fraction=float(train_cfg["eval_fraction"]),
     )
     run = _settle_run(inputs, drafter_cfg, train_cfg, template_sha256, target_fingerprint)
     say = _printer(progress and run.ranks.rank == 0)
+    if isinstance(states, OnlineStates):  # once per job, on this rank's device; before the drafter, whose init stays the seed's
+        states.load_target(run.ranks.device)
     trainer = _build_trainer(run, target_dir)
 
     state_path = Path(state_dir)
-    run_id = run_identity(inputs.cache.manifests, inputs.d2t, drafter_cfg, train_cfg, template_sha256, target_fingerprint, inputs.cache.digests)
+    run_id = run_identity(inputs.states.manifests, inputs.d2t, drafter_cfg, train_cfg, template_sha256, target_fingerprint, inputs.states.digests)
     record = _resume(run, trainer, state_path, run_id, say)
     resumed_from = record.step
     if run.ranks.world > 1:  # after resuming: DDP starts every rank from rank 0's weights
@@ -152,6 +163,14 @@ def train_drafter(
 
 
 # --------------------------------------------------------------------------- the phases, in order
+
+
+def _state_source(hidden_paths, token_paths, target_dir: str, hidden_cfg: dict, model_cfg: dict) -> StateSource:
+    """Where the target's states come from: the cache (hidden.mode offline) or the target, run here (online)."""
+    if hidden_cfg["mode"] == "online":
+        return OnlineStates(token_paths or [], target_dir=target_dir, dtype=str(hidden_cfg["dtype"]), model_dtype=str(model_cfg["dtype"]),
+                            trust_remote_code=bool(model_cfg["trust_remote_code"]))
+    return HiddenCache(hidden_paths or [])
 
 
 def _settle_run(inputs: TrainingInputs, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str) -> _Run:
@@ -227,6 +246,7 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         + (f", {run.ranks.world} ranks" if run.ranks.world > 1 else "")
         + f"; {cfg['lr_schedule']} learning rate, {'keeping the best epoch' if cfg['keep_best'] else 'keeping the last epoch'}"
         + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
+        + (", the target's states computed here for each batch (hidden.mode online)" if isinstance(inputs.states, OnlineStates) else "")
         + "".join(f", drafter.{flag}" for flag in ("norm_before_fc", "norm_output") if getattr(inputs.shape, flag))
         + (f"; {inputs.truncated} samples truncated to {batch_tokens} tokens" if inputs.truncated else "")
         + (f"; {inputs.skipped} samples skipped (nothing to train)" if inputs.skipped else "")
@@ -253,7 +273,7 @@ def _train_steps(
         epoch, index = divmod(step, run.steps_per_epoch)
         whole = batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]]
         refs, weight = rank_share(whole, ranks.rank, ranks.world)
-        batch = run.inputs.cache.batch(refs, ranks.device, dtype=run.frozen_dtype)
+        batch = run.inputs.states.batch(refs, ranks.device, dtype=run.frozen_dtype)
         if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
             add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
         batch["weight"] = weight
@@ -302,18 +322,15 @@ def _train_steps(
 
 
 def _non_finite_message(run: _Run, step: int, whole: list, result: dict) -> str:
-    """Why training stopped at `step`: the batch's samples by cache shard, and whether their cached states are the cause."""
-    cache = run.inputs.cache
-    listing = "; ".join(f"{path}: {', '.join(ids)}" for path, ids in cache.describe(whole).items())
-    corrupt = cache.describe(cache.non_finite(whole))
+    """Why training stopped at `step`: the batch's samples by shard, and whether their states are the cause."""
+    states = run.inputs.states
+    listing = "; ".join(f"{path}: {', '.join(ids)}" for path, ids in states.describe(whole).items())
+    corrupt = states.describe(states.non_finite(whole))
     if corrupt:
-        cause = "; ".join(
-            f"the cached states of {', '.join(ids)} in {path} are not finite: the cache is corrupt, {rebuild_hint(CACHE_WRITTEN_BY, path)}"
-            for path, ids in corrupt.items()
-        )
+        cause = "; ".join(states.not_finite_cause(path, ids) for path, ids in corrupt.items())
     else:
         cause = (
-            "the batch's cached states are finite, so training diverged: lower train.learning_rate, or train.max_grad_norm, "
+            f"the batch's {states.states_name} are finite, so training diverged: lower train.learning_rate, or train.max_grad_norm, "
             "or train in float32 (train.dtype)"
         )
     return (
@@ -327,7 +344,7 @@ def _simulate(run: _Run, trainer: _Trainer, step: int) -> dict:
     """The drafter's simulated acceptance after `step` (eyrie.training.acceptance), as a training-log eval record."""
     inputs = run.inputs
     result = simulate_acceptance(
-        trainer.model, inputs.cache, inputs.eval_batches, rank=run.ranks.rank, world=run.ranks.world, device=run.ranks.device,
+        trainer.model, inputs.states, inputs.eval_batches, rank=run.ranks.rank, world=run.ranks.world, device=run.ranks.device,
         dtype=run.frozen_dtype, source=HELD_OUT_SOURCE if inputs.held_out else TRAINING_SOURCE,
         samples=sum(len(b) for b in inputs.eval_batches), target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
         t2d=trainer.t2d, steps=run.ttt_steps, attention=run.attention, use_bf16=run.use_bf16,
