@@ -14,6 +14,7 @@ import sys
 import pyarrow as pa
 import pytest
 import torch
+import yaml
 from conftest import REPO, TINY_CONFIG
 
 from eyrie import cli
@@ -138,6 +139,25 @@ def test_missing_corrupt_and_stale_files_are_named_with_the_command_that_rebuild
     assert "1 missing, 1 corrupt, 1 stale" in out and command in out
 
 
+def test_a_newer_input_with_the_content_snakemake_recorded_is_not_stale(workspace, config):
+    """Snakemake's own rule: a rewritten input whose checksum equals the one recorded when the output was made (small
+    inputs, .snakemake/metadata) reruns nothing, so verify must not call the output stale (a killed forced rerun leaves this)."""
+    import base64
+    import hashlib
+
+    prompts, completions = "results/prompts/d/0001.parquet", "results/completions/d/0001.parquet"
+    os.utime(workspace / prompts, ((workspace / completions).stat().st_mtime + 5,) * 2)
+    record = workspace / ".snakemake" / "metadata" / base64.b64encode(completions.encode()).decode()
+    record.parent.mkdir(parents=True, exist_ok=True)
+
+    def recorded(checksum):
+        record.write_text(json.dumps({"rule": "regenerate_shard", "input_checksums": {prompts: f"sha256:{checksum}"}}))
+        return [(f.state, f.path) for f in verify_workspace(config, workspace).findings]
+
+    assert recorded(hashlib.sha256((workspace / prompts).read_bytes()).hexdigest()) == []
+    assert recorded("0" * 64) == [(STALE, completions)]  # the content changed since: Snakemake reruns it
+
+
 def test_a_changed_file_inside_the_drafter_directory_is_caught(workspace, config):
     """Snakemake sees a directory output by its timestamp only: `snakemake -n` never shows this."""
     drafter = workspace / "results/drafter"
@@ -186,6 +206,17 @@ def test_a_temporary_cache_may_be_gone(workspace, config):
     assert result.checked == len(planned_outputs(config)) - 2
 
 
+def test_an_online_workspace_has_no_cache_and_a_changed_token_shard_makes_the_drafter_stale(tmp_path):
+    """hidden.mode online: the drafter is made from the token shards, so a newer token shard is what makes it stale."""
+    config = cfg.validate({**CONFIG, "hidden": {"mode": "online"}})
+    workspace = build_workspace(tmp_path, config)
+    assert not (workspace / "results" / "hidden").exists()
+    result = verify_workspace(config, workspace)
+    assert result.ok, result.findings
+    os.utime(workspace / "results/tokens/d/0000.parquet")
+    assert "results/drafter" in {f.path for f in verify_workspace(config, workspace).findings if f.state == STALE}
+
+
 def test_the_snakefile_warns_only_for_files_gone_since_the_report(workspace, config):
     assert missing_under_report(config, workspace) == []
     (workspace / "results/tokens/d/0000.parquet").unlink()
@@ -194,9 +225,12 @@ def test_the_snakefile_warns_only_for_files_gone_since_the_report(workspace, con
     assert missing_under_report(config, workspace) == []
 
 
-def test_planned_outputs_are_what_snakemake_plans(tmp_path):
-    """eyrie.plan's list and the rules agree: the paths and rules Snakemake's own DAG has for the tiny config."""
-    (tmp_path / "config.yaml").write_text(TINY_CONFIG.read_text())
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_planned_outputs_are_what_snakemake_plans(tmp_path, mode):
+    """eyrie.plan's list and the rules agree: the paths and rules Snakemake's own DAG has for the tiny config (hidden.mode online: no cache)."""
+    raw = yaml.safe_load(TINY_CONFIG.read_text())
+    raw["hidden"]["mode"] = mode
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "local.jsonl").write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
     done = subprocess.run(
@@ -208,3 +242,4 @@ def test_planned_outputs_are_what_snakemake_plans(tmp_path):
     snakemake_plans = {(row[0], row[2]) for row in rows if not row[0].startswith("resources/")}
     planned = {(p.path, p.rule) for p in planned_outputs(cfg.load(tmp_path / "config.yaml"))}
     assert snakemake_plans == planned
+    assert any(rule == "extract_hidden" for _, rule in planned) == (mode == "offline")

@@ -9,9 +9,9 @@ reads them. Each planned file (eyrie.plan.planned_outputs) is
 - corrupt: cannot be read as its kind, or its bytes differ from the content digest its writer recorded in it
   (eyrie.core.digest); a directory output also when a file its writer wrote is gone or one it did not write
   appeared. Snakemake would not notice: the command forces these (--forcerun).
-- stale: older than a planned file it is made from, or completions made under other generation settings.
-  Snakemake reruns these itself (a newer input whose content it finds unchanged excepted: it checksums inputs
-  under 1 MB); listed so that the user knows before running it.
+- stale: older than a planned file it is made from whose content changed since (Snakemake's own rule: a newer input
+  with the checksum Snakemake recorded for it reruns nothing), or completions made under other generation settings.
+  Snakemake reruns these itself; listed so that the user knows before running it.
 
 What is made from a rebuilt file reruns after it (Snakemake's own rule), so the command names only the
 files above, not their consumers. Files of hidden.keep: false are expected to be gone once the drafter is
@@ -21,6 +21,8 @@ byte (about one disk read for the xxh3-hashed hidden cache, seconds per GB of sh
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shlex
@@ -161,22 +163,41 @@ def verify_workspace(config: dict, workdir: str | Path = ".", config_path: str |
             findings.append(Finding(CORRUPT, item.path, item.rule, problem))
             continue
         present[item.path] = _mtime(path)
-        stale = _stale(item, path, present, config)
+        stale = _stale(item, path, present, config, workdir)
         if stale:
             findings.append(Finding(STALE, item.path, item.rule, stale))
     return Verification(workdir, Path(config_path), checked, findings)
 
 
-def _stale(item: Planned, path: Path, present: dict[str, float], config: dict) -> str | None:
+def _stale(item: Planned, path: Path, present: dict[str, float], config: dict, workdir: Path) -> str | None:
     # Planned files come in build order: every input of this one that exists and is sound is in `present`.
     newer = [p for p in item.inputs if p in present and present[p] > present[item.path]]
+    # As Snakemake decides: a newer input whose content equals what the output was made from reruns nothing.
+    newer = [p for p in newer if not _unchanged_since_made(workdir, item.path, p)]
     if newer:
         more = f" (and {len(newer) - 1} more)" if len(newer) > 1 else ""
-        # Snakemake also compares checksums of small inputs: a file touched with its content unchanged reruns nothing.
-        return f"older than {newer[0]}{more}, which it is made from: Snakemake reruns it unless that content is unchanged"
+        return f"older than {newer[0]}{more}, which it is made from and which changed since: Snakemake reruns it"
     if item.rule == "regenerate_shard":
         return _settings_problem(path, config)
     return None
+
+
+def _unchanged_since_made(workdir: Path, output: str, input_path: str) -> bool:
+    """Whether `input_path` holds what it held when Snakemake made `output`: the sha256 Snakemake recorded for it then
+    (.snakemake/metadata/<base64 of the output path>, `input_checksums`, kept for small inputs) equals its sha256 now.
+    Without a record (a large input, or a workspace Snakemake did not make) the newer timestamp decides."""
+    record = workdir / ".snakemake" / "metadata" / base64.b64encode(output.encode()).decode()
+    try:
+        recorded = (json.loads(record.read_text()).get("input_checksums") or {}).get(input_path)
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(recorded, str) or not recorded.startswith("sha256:"):
+        return False
+    digest = hashlib.sha256()
+    with open(workdir / input_path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest() == recorded.removeprefix("sha256:")
 
 
 def rebuild_command(result: Verification) -> str | None:

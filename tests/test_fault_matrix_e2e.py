@@ -1,0 +1,150 @@
+"""Fault injection on the real Snakefile (tiny config): a kill inside every stage's job, and damage to every kind of artifact.
+
+Each case starts from a copy of one complete reference run, injects one fault and recovers the way the README says:
+after a kill `snakemake --unlock && snakemake --cores all --rerun-incomplete`; after damage, the command `eyrie
+verify` prints. Then every planned file must hold what the reference holds (timings aside), and `eyrie verify`
+must find nothing wrong. A damaged artifact is named by `eyrie verify` before anything reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SNAKEMAKE, make_workdir, snakemake
+from test_recovery_e2e import content, eyrie_verify, without_timings
+
+pytestmark = pytest.mark.e2e
+
+# Every job kind of the pipeline, in build order; a forced rerun of one reruns it and everything after it.
+STAGES = ["build_prompts_sharegpt", "regenerate_shard", "tokenize_shard", "build_draft_vocab", "extract_hidden",
+          "train_drafter", "benchmark_heldout", "write_report"]
+# One artifact of every kind, damaged in place (same size, same mtime: Snakemake cannot see it).
+DAMAGED = ["results/prompts/sharegpt/0000.parquet", "results/completions/sharegpt/0001.parquet",
+           "results/tokens/local/0000.parquet", "results/vocab/draft_vocab.safetensors",
+           "results/hidden/sharegpt/0000.safetensors", "results/drafter/model.safetensors", "results/bench/sharegpt.json"]
+# What may differ between two runs of the same benchmark: wall-clock figures and what follows from them (the fastest
+# setting, and the flags and commands that serve it).
+BENCH_TIMING_WORDS = ("speedup", "floor", "recommend", "fastest", "best", "flags", "command")
+# Bookkeeping of a resumed job: how many requests a shard took over from its partial log.
+RESUME_WORDS = ("resumed",)
+KILL_AFTER_S = 3.0  # into the stage's first job: past Python's start-up for the jobs that take longer, or into the next job
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, shared_resources):
+    workdir = make_workdir(tmp_path_factory.mktemp("faults") / "reference", shared_resources)
+    snakemake(workdir, "report.html")
+    return workdir, snapshot(workdir)
+
+
+def copy_of(reference: Path, into: Path) -> Path:
+    """A workdir with the reference's results and Snakemake metadata (timestamps kept), the big resources hard-linked."""
+    shutil.copytree(reference, into, symlinks=True, ignore=shutil.ignore_patterns("resources"))
+    shutil.copytree(reference / "resources", into / "resources", copy_function=os.link)
+    return into
+
+
+def dropping(value, words):
+    """value without the dict keys that contain any of words, at every depth."""
+    if isinstance(value, dict):
+        return {k: dropping(v, words) for k, v in value.items() if not any(word in k.lower() for word in words)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(dropping(v, words) for v in value)
+    return value
+
+
+def bench_content(path: Path) -> dict:
+    """A benchmark JSON without its timings: acceptance, tokens and verdicts, per prompt too."""
+    return dropping(without_timings(json.loads(path.read_text())), BENCH_TIMING_WORDS)
+
+
+def snapshot(workdir: Path) -> dict[str, object]:
+    """Every planned file's content, timings aside (report.html: that it exists)."""
+    from eyrie.config import load
+    from eyrie.plan import planned_outputs
+
+    held = {}
+    for planned in planned_outputs(load(workdir / "config.yaml")):
+        path = workdir / planned.path
+        if not path.exists():
+            held[planned.path] = None
+        elif path.is_dir():
+            held[planned.path] = {p.name: content(p) if p.suffix == ".safetensors" else without_timings(json.loads(p.read_text()))
+                                  for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
+        elif path.suffix in (".parquet", ".safetensors"):
+            held[planned.path] = dropping(content(path), RESUME_WORDS)
+        elif path.name == "report.html":
+            held[planned.path] = True
+        elif path.parent.name == "bench":
+            held[planned.path] = bench_content(path)
+        else:
+            held[planned.path] = without_timings(json.loads(path.read_text())) if path.suffix == ".json" else path.read_bytes()
+    return held
+
+
+def assert_restored(workdir: Path, expected: dict[str, object]) -> None:
+    actual = snapshot(workdir)
+    differing = [path for path in expected if actual.get(path) != expected[path]]
+    assert not differing, f"not as an uninterrupted run left them: {differing}"
+    check = eyrie_verify(workdir)
+    assert check.returncode == 0, check.stdout
+
+
+def kill_inside(workdir: Path, stage: str) -> None:
+    """`snakemake --forcerun <stage>`, killed with SIGKILL (the whole process group) KILL_AFTER_S into that stage's first job."""
+    process = subprocess.Popen(
+        [*SNAKEMAKE, "-d", str(workdir), "--cores", "1", "report.html", "--forcerun", stage],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    deadline, started = time.time() + 600, False
+    for line in process.stdout:
+        if line.strip() in (f"rule {stage}:", f"localrule {stage}:"):
+            started = True
+            break
+        if time.time() > deadline:
+            break
+    assert started, f"the forced rerun never started {stage}"
+    time.sleep(KILL_AFTER_S)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_kill_inside_each_stage_is_recovered_to_the_same_files(reference, tmp_path, stage):
+    workdir = copy_of(reference[0], tmp_path / "w")
+    kill_inside(workdir, stage)
+    snakemake(workdir, "--unlock")
+    snakemake(workdir, "--rerun-incomplete")  # README: snakemake --unlock && snakemake --cores all --rerun-incomplete
+    assert_restored(workdir, reference[1])
+
+
+@pytest.mark.parametrize("relative", DAMAGED)
+def test_damage_to_each_kind_of_artifact_is_named_and_the_printed_command_restores_it(reference, tmp_path, relative):
+    workdir = copy_of(reference[0], tmp_path / "w")
+    path = workdir / relative
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = b"\xff" * min(64, len(data) - middle)
+    path.write_bytes(bytes(data))
+    os.utime(path, (stat.st_atime, stat.st_mtime))
+
+    found = eyrie_verify(workdir)
+    assert found.returncode == 1, found.stdout
+    named = relative if not relative.startswith("results/drafter/") else "results/drafter"
+    assert any(line.strip().startswith("corrupt") and named in line for line in found.stdout.splitlines()), found.stdout
+    command = shlex.split(found.stdout.strip().splitlines()[-1])
+    assert command[:3] == ["snakemake", "-d", str(workdir)], found.stdout
+    done = subprocess.run([*SNAKEMAKE, *command[1:]], check=False, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_restored(workdir, reference[1])
