@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO, TINY_CONFIG, make_workdir, snakemake
+from conftest import TINY_CONFIG, make_workdir, snakemake
+from test_verify import plans_of
 
-from eyrie import config as cfg
 from eyrie.core.digest import verify
-from eyrie.plan import planned_outputs
 
 SYNTHETIC = {"count": 3, "topics": ["Python functions", "math word problems"], "max_tokens": 40, "batch_size": 8, "max_samples": 16}
 
@@ -29,14 +26,7 @@ def test_planned_outputs_of_a_synthetic_dataset_are_what_snakemake_plans(tmp_pat
     config = yaml.safe_load(TINY_CONFIG.read_text())
     only_a_synthetic_dataset(config)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--cores", "1", "--summary"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("\t") for line in done.stdout.splitlines()[1:] if "\t" in line]
-    snakemake_plans = {(row[0], row[2]) for row in rows if not row[0].startswith("resources/")}
-    planned = {(p.path, p.rule) for p in planned_outputs(cfg.load(tmp_path / "config.yaml"))}
+    snakemake_plans, planned = plans_of(tmp_path)
     assert ("results/synthetic/syn.parquet", "synthesize_prompts") in planned
     assert snakemake_plans == planned
 

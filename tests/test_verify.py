@@ -233,13 +233,18 @@ def test_planned_outputs_are_what_snakemake_plans(tmp_path, mode):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "local.jsonl").write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
-    done = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--cores", "1", "--summary"],
+    snakemake_plans, planned = plans_of(tmp_path)
+    assert snakemake_plans == planned
+    assert any(rule == "extract_hidden" for _, rule in planned) == (mode == "offline")
+
+
+def plans_of(workdir) -> tuple[set, set]:
+    """(path, rule) of every result, as Snakemake's own DAG has them (`--summary`) and as eyrie.plan lists them."""
+    done = subprocess.run(  # noqa: PLW1510 -- the return code is asserted below
+        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "1", "--summary"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("\t") for line in done.stdout.splitlines()[1:] if "\t" in line]
     snakemake_plans = {(row[0], row[2]) for row in rows if not row[0].startswith("resources/")}
-    planned = {(p.path, p.rule) for p in planned_outputs(cfg.load(tmp_path / "config.yaml"))}
-    assert snakemake_plans == planned
-    assert any(rule == "extract_hidden" for _, rule in planned) == (mode == "offline")
+    return snakemake_plans, {(p.path, p.rule) for p in planned_outputs(cfg.load(workdir / "config.yaml"))}

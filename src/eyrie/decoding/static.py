@@ -394,6 +394,19 @@ class StaticEagle3:
             self.forward(self.drafter.project_aux(aux[:, :-1].to(self.dtype)), ids, torch.arange(count - 1, device=self.device))
         return predicted[:, -1:], aux[:, -1:]
 
+    def start(self, prompt_ids: list[int], rounds) -> tuple[int, int]:
+        """Prefill, then set the first round's inputs: the extend buffers of `rounds` (ChainRounds or a StaticTree:
+        ext_aux, ext_ids, ext_start, ext_last) and the target's next token and position. (first token, prompt length)."""
+        first, last_aux = self.prefill(prompt_ids)
+        count = len(prompt_ids)
+        rounds.ext_aux[:, :1].copy_(last_aux)
+        rounds.ext_ids[:, :1].copy_(first)
+        rounds.ext_start.fill_(count - 1)
+        rounds.ext_last.zero_()
+        self.target.token.copy_(first)
+        self.target.position.fill_(count)
+        return int(first), count
+
     # ---- one round on device
 
     def _rounds_for(self, k: int) -> ChainRounds:
@@ -405,17 +418,9 @@ class StaticEagle3:
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, k: int) -> SpecResult:
         start_time = time.perf_counter()
-        target = self.target
         chain = self._rounds_for(k)  # captured before the prefills: their warm-ups write cache slots
-        first, last_aux = self.prefill(prompt_ids)
-        count = len(prompt_ids)
-        chain.ext_aux[:, :1].copy_(last_aux)
-        chain.ext_ids[:, :1].copy_(first)
-        chain.ext_start.fill_(count - 1)
-        chain.ext_last.zero_()
-        target.token.copy_(first)
-        target.position.fill_(count)
-        tokens = [int(first)]
+        first, count = self.start(prompt_ids, chain)
+        tokens = [first]
         forwards, lengths, accepted_per_position = 1, [], [0] * k
         self.drafted = []  # per round: the k drafts, for tests and diagnosis
         while not finished(tokens, max_new_tokens, stop_ids):

@@ -188,15 +188,8 @@ class StaticTree:
         S, target, drafter = self.shape.steps, self.target, self.drafter
         for span in spans_up_to(target.capacity):  # captured before the prefill: their warm-ups write cache slots
             self._graph_for(span)
-        first, last_aux = drafter.prefill(prompt_ids)
-        count = len(prompt_ids)
-        self.ext_aux[:, :1].copy_(last_aux)
-        self.ext_ids[:, :1].copy_(first)
-        self.ext_start.fill_(count - 1)
-        self.ext_last.zero_()
-        target.token.copy_(first)
-        target.position.fill_(count)
-        tokens = [int(first)]
+        first, count = drafter.start(prompt_ids, self)
+        tokens = [first]
         forwards, lengths, accepted_per_depth = 1, [], [0] * S
         reach = max(self.shape.draft_tokens, S + 1)  # slots a round writes past the current token
         while not finished(tokens, max_new_tokens, stop_ids):
