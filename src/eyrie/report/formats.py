@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
+from eyrie.core.disk import human_bytes
+
 SAMPLE_CHARS = 1500  # enough of a message to judge it, short enough to keep the page light
 
 
@@ -36,14 +38,10 @@ def fmt_num(value: Any, digits: int = 1) -> str:
 
 
 def fmt_bytes(value: Any) -> str:
-    """Bytes in binary units, e.g. 637.0 KiB; the exact count stays in the tables next to it."""
+    """Bytes in binary units, e.g. 637.0 KiB (eyrie.core.disk.human_bytes); the exact count stays in the tables next to it."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "—"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value:,.1f} TiB"  # unreachable; keeps type checkers content
+    return human_bytes(value)
 
 
 def fmt_pct(value: float | None) -> str:
