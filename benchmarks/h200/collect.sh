@@ -14,4 +14,10 @@ for path in sorted(glob.glob(f"{w}/results/completions/*/*.parquet")):
     meta = json.loads(pq.read_schema(path).metadata[b"eyrie"])["stats"]
     print("completions", "/".join(path.rsplit("/", 2)[-2:]), {k: v for k, v in meta.items() if not isinstance(v, (list, dict))})
 PY
+# COLLECT_DRAFTER=1 (the call that ends with training): the drafter and the held-out prompts come back too, in
+# pieces under the lease's 16 MiB per file, so that a later lease can benchmark them without regenerating.
+if [ "${COLLECT_DRAFTER:-0}" = 1 ] && [ -f "$W/results/drafter/model.safetensors" ]; then
+    (cd "$W" && tar cf - results/drafter results/prompts/*/heldout.parquet) | split -b 15M -d - "$OUT/drafter.tar."
+    (cd "$W" && sha256sum results/drafter/* results/prompts/*/heldout.parquet) > "$OUT/drafter.sha256"
+fi
 ls -la "$OUT"
