@@ -1042,9 +1042,9 @@ def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_s
     assert last["source"] == "held-out cache samples" and 1 <= held_out < 24 and summary["samples"] == 24 - held_out
     assert last["k"] == [1, 2, 3] and min(last["per_step_accuracy"]) > 0.9, last["per_step_accuracy"]
     assert last["length"][-1] > 3.6 and last["length"][-1] > first["length"][-1] + 1, (first["length"], last["length"])
-    assert last["conditional_length"][-1] > 3.6
-    # train.keep_best (the default): the written drafter is the epoch of the best k=3 length, the later one on ties.
-    best = max(reversed(evaluations), key=lambda e: e["length"][-1])
+    assert last["conditional_length"][-1] > 3.6 and last["walked_length"][-1] > 3.6
+    # train.keep_best (the default): the written drafter is the epoch of the best walked k=3 length, the later one on ties.
+    best = max(reversed(evaluations), key=lambda e: e["walked_length"][-1])
     written = read_simulated_acceptance(tmp_path / "drafter")
     assert without_seconds(written) == without_seconds(best) == without_seconds(summary["simulated_acceptance"])
     assert log[-1]["kept"]["epoch"] == best["epoch"] == summary["kept"]["epoch"]
@@ -1061,7 +1061,7 @@ def test_simulated_acceptance_round_trips_through_config_json_and_old_drafters_r
     written = config["eyrie"]["simulated_acceptance"]
     assert written["source"] == "training samples" and written["eval_samples"] == 2 and written["k"] == [1, 2, 3]
     assert read_simulated_acceptance(tmp_path / "drafter") == written == summary["simulated_acceptance"]
-    assert [simulated_length(written, k) for k in (1, 2, 3, 4)] == [*written["length"], None]
+    assert [simulated_length(written, k) for k in (1, 2, 3, 4)] == [*written["walked_length"], None]  # the walked chain first
     assert config["eyrie"]["train"]["eval_fraction"] == 0.05 and "metrics" in config["eyrie"]  # every earlier key stays
     # A drafter trained before the simulation existed: no summary, no error (and no content digest: older still).
     del config["eyrie"]["simulated_acceptance"], config["eyrie_digest"]

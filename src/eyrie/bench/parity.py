@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.drafter.checkpoint import read_simulated_acceptance
+from eyrie.drafter.checkpoint import predicted_lengths, read_simulated_acceptance
 
 HELD_OUT = "held-out cache samples"  # the source training names for its held-out split
 MIN_JUDGED_SAMPLES = 8  # fewer held-out samples make too noisy a prediction to fail a run on
@@ -36,18 +36,20 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
 
     gated: the prompts are held out of the training datasets (the benchmark's own datasets), so a gap can be judged.
 
-    The prediction is training's conditional chain length (each step scored only where every earlier step
-    was right, as a chain is verified), else its product form. No drafter directory (an in-memory drafter),
+    The prediction is training's walked chain length (a decoder's rounds replayed along the held-out cache
+    samples), else, for drafters trained before it, the conditional or product form (both per position, and
+    optimistic: eyrie.training.acceptance). No drafter directory (an in-memory drafter),
     a drafter trained before training recorded it, or k beyond the trained steps: nothing to compare.
     """
-    block = {"k": k, "simulated": None, "measured": measured, "gap": None, "max_gap": max_gap, "judged": False,
+    block = {"k": k, "simulated": None, "form": None, "measured": measured, "gap": None, "max_gap": max_gap, "judged": False,
              "not_judged_because": "training recorded no prediction for this k", "source": None, "eval_samples": None, "error": None}
     summary = read_simulated_acceptance(drafter_dir) if drafter_dir is not None else None
     if summary is None or k not in summary["k"]:
         return block
     index = summary["k"].index(k)
-    simulated = (summary.get("conditional_length") or summary["length"])[index]
-    block.update(simulated=simulated, source=summary.get("source"), eval_samples=summary.get("eval_samples"))
+    form, lengths = predicted_lengths(summary)
+    simulated = lengths[index]
+    block.update(simulated=simulated, form=form, source=summary.get("source"), eval_samples=summary.get("eval_samples"))
     if simulated is None or measured is None:
         return block
     block["gap"] = 1.0 - measured / simulated

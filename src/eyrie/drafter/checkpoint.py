@@ -39,7 +39,9 @@ from eyrie.target.aux_layers import AuxLayerError, sglang_version_caveat, vllm_l
 
 SIMULATED_ACCEPTANCE = "simulated_acceptance"  # the key under config.json's eyrie block
 _ACCEPTANCE_LISTS = ("length", "per_step_accuracy")  # one entry per k, a number or null (no positions to measure)
-_OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length")
+_OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length", "walked_length")
+# Training's forms of the prediction, the one nearest to what a decoder gets first (eyrie.training.acceptance).
+PREDICTION_FORMS = ("walked_length", "conditional_length", "length")
 READABLE_DIRECTORY = 0o755  # the drafter directory itself: listable by a server under another account
 WRITTEN_BY = "train_drafter"  # the Snakemake rule that writes the drafter directory, named in read errors
 
@@ -229,10 +231,21 @@ def read_simulated_acceptance(drafter_dir: str | Path) -> dict | None:
     return check_simulated_acceptance(own[SIMULATED_ACCEPTANCE], config_path)
 
 
+def predicted_lengths(summary: dict) -> tuple[str, list]:
+    """(form, lengths per k) of training's best prediction of the served chain: the walked chain where the
+    summary has it (a decoder's own rounds replayed on held-out tokens), else the conditional or product form
+    of drafters trained before it."""
+    for form in PREDICTION_FORMS:
+        values = summary.get(form)
+        if values and any(v is not None for v in values):
+            return form, values
+    return "length", summary["length"]
+
+
 def simulated_length(summary: dict | None, k: int) -> float | None:
-    """Training's expected acceptance length (bonus token counted) for a chain of k drafts; None without a summary,
-    for k beyond the trained TTT steps, or where no positions were measured."""
+    """Training's expected acceptance length (bonus token counted) for a chain of k drafts (predicted_lengths); None
+    without a summary, for k beyond the trained TTT steps, or where no positions were measured."""
     if summary is None or k not in summary["k"]:
         return None
-    value = summary["length"][summary["k"].index(k)]
+    value = predicted_lengths(summary)[1][summary["k"].index(k)]
     return None if value is None else float(value)

@@ -14,6 +14,16 @@ c_j = P(step j hits | steps 0..j-1 all hit at the same position), length_conditi
 + c_0 c_1 + ..., i.e. the mean accepted run per position. Both count only draft-vocabulary targets,
 so a drafter whose vocabulary misses the target's tokens serves below them.
 
+Both average over every position alike, and a served chain does not: it verifies a round, jumps past
+what was accepted and starts the next round there. Easy stretches (long accepted runs) are crossed in
+a few rounds, hard ones are visited position by position, so a per-position average overweights the
+easy stretches and predicts more than a decoder gets (on the H200 run's held-out prompts: conditional
+2.32, served 1.70; benchmarks/parity_probe.py). The walked form replays the decoder: along each sample
+a round starts at t (token t+1 is the bonus token, an assistant token, and token t+2 is one too),
+accepts a = min(k, the run of consecutive hits of steps 0, 1, ... at t), emits a + 1 tokens and the next
+round starts at t + a + 1. walked_length(k) = emitted / rounds, the served acceptance length of a chain
+of k drafts on these very tokens (a target argmax outside the draft vocabulary is a miss, as served).
+
 Counts are integers summed over batches (all-reduced over data-parallel ranks, each rank taking
 whole batches), so one rank and several give the same numbers.
 """
@@ -24,9 +34,11 @@ import time
 
 import torch
 
-from eyrie.training.objective import needed_targets, step_targets, target_distribution, ttt_hidden
+from eyrie.training.objective import needed_targets, shift_left, step_targets, target_distribution, ttt_hidden
 
-HITS, COUNT, CHAIN_HITS, CHAIN_REACH = range(4)  # rows of the count tensor, one column per TTT step
+HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED = range(6)  # rows of the count tensor, one column per TTT step
+# (ROUNDS and EMITTED: column k - 1 holds the walked chain of k drafts)
+ROWS = ("hits", "count", "chain_hits", "chain_reach", "rounds", "emitted")
 
 
 def acceptance_lengths(accuracy: list[float | None]) -> list[float | None]:
@@ -44,24 +56,51 @@ def acceptance_lengths(accuracy: list[float | None]) -> list[float | None]:
     return lengths
 
 
+def walk_rounds(runs: list[int], starts: list[bool], k: int) -> tuple[int, int]:
+    """(rounds, tokens emitted) of a chain of k drafts decoding along one sample: runs[t] is the run of consecutive
+    draft hits at position t, starts[t] whether a round can start there (see the module docstring)."""
+    rounds = emitted = 0
+    t = 0
+    while t < len(runs):
+        if not starts[t]:
+            t += 1
+            continue
+        accepted = min(k, runs[t])
+        rounds += 1
+        emitted += accepted + 1
+        t += accepted + 1
+    return rounds, emitted
+
+
 @torch.no_grad()
 def batch_counts(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool) -> torch.Tensor:
-    """[4, steps] int64 of one batch: per step hits and measured positions, and the chain's hits and reach (see the module docstring)."""
+    """[6, steps] int64 of one batch: per step hits and measured positions, the chain's hits and reach, and the walked
+    chains' rounds and emitted tokens (see the module docstring)."""
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
     _, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
     device_type = batch["aux"].device.type
-    counts = torch.zeros(4, steps, dtype=torch.int64, device=loss_mask.device)
+    counts = torch.zeros(len(ROWS), steps, dtype=torch.int64, device=loss_mask.device)
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
         # Eager layers (compiled=None): the same numbers as train.compile's, without compiling a no-grad variant.
         outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, steps, attention=attention)
         chain = torch.ones_like(loss_mask)  # positions whose drafts so far all hit
+        runs = torch.zeros(loss_mask.shape, dtype=torch.int64, device=loss_mask.device)
         for j, out in enumerate(outs):
             valid, _, arg = step_targets(j, target_row, target_arg, loss_mask, lengths)
             hit = torch.zeros_like(valid)
             hit[valid] = model.head(out[valid]).argmax(-1) == arg[valid]
             reach = chain & valid
             chain = reach & hit
-            counts[:, j] = torch.stack([hit.sum(), valid.sum(), chain.sum(), reach.sum()])
+            counts[:CHAIN_REACH + 1, j] = torch.stack([hit.sum(), valid.sum(), chain.sum(), reach.sum()])
+            runs = runs + chain  # chain: hit at every step so far, so runs ends as the run of consecutive hits
+    L = loss_mask.shape[1]
+    # A round starts where the bonus token t+1 and the next token t+2 are assistant tokens (a stop ends decoding).
+    starts = shift_left(loss_mask, 1, False) & shift_left(loss_mask, 2, False) & (torch.arange(L, device=loss_mask.device)[None, :] + 2 < lengths[:, None])
+    for sample_runs, sample_starts in zip(runs.tolist(), starts.tolist()):
+        for k in range(1, steps + 1):
+            rounds, emitted = walk_rounds(sample_runs, sample_starts, k)
+            counts[ROUNDS, k - 1] += rounds
+            counts[EMITTED, k - 1] += emitted
     return counts
 
 
@@ -73,7 +112,7 @@ def simulate_acceptance(model, cache, batches: list, *, rank: int, world: int, d
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
-    totals = torch.zeros(4, forward["steps"], dtype=torch.int64, device=device)
+    totals = torch.zeros(len(ROWS), forward["steps"], dtype=torch.int64, device=device)
     try:
         for refs in batches[rank::world]:
             batch = cache.batch(refs, device, dtype=dtype)
@@ -88,7 +127,8 @@ def simulate_acceptance(model, cache, batches: list, *, rank: int, world: int, d
 
 def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, seconds: float = 0.0) -> dict:
     """The record of one simulation (training_log.json's eval entries, config.json's eyrie.simulated_acceptance) from its counts."""
-    hits, count, chain_hits, chain_reach = totals
+    hits, count, chain_hits, chain_reach = totals[:4]
+    rounds, emitted = totals[4:6] if len(totals) >= 6 else ([0] * len(hits), [0] * len(hits))
 
     def ratio(a, b):
         return a / b if b else None
@@ -101,6 +141,8 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
         "per_step_accuracy": accuracy,
         "conditional_accuracy": conditional,
         "conditional_length": acceptance_lengths(conditional),
+        "walked_length": [ratio(e, r) for e, r in zip(emitted, rounds)],
+        "walked_rounds": list(rounds),
         "positions_per_step": list(count),
         "eval_samples": samples,
         "source": source,
@@ -116,6 +158,6 @@ def acceptance_line(result: dict) -> str:
 
     return (
         f"eval epoch {result['epoch']:g}: simulated acceptance (k=1..{len(result['k'])}) {figures(result['length'], 2)}; "
-        f"conditional {figures(result['conditional_length'], 2)}; step accuracy {figures(result['per_step_accuracy'], 3)} "
+        f"conditional {figures(result['conditional_length'], 2)}; walked {figures(result.get('walked_length') or [], 2)}; step accuracy {figures(result['per_step_accuracy'], 3)} "
         f"({result['eval_samples']} {result['source']})"
     )

@@ -1,7 +1,7 @@
 """train.keep_best: the drafter written at the end is the epoch with the best simulated acceptance.
 
 Each epoch ends with a simulation on the held-out cache samples (eyrie.training.acceptance). Its
-score is the simulated acceptance length of the longest measured chain (k = drafter.ttt_steps
+score is the simulated acceptance length (the walked chain's where recorded) of the longest measured chain (k = drafter.ttt_steps
 unless a step had no positions to measure; the same k every epoch, since which positions are
 measured depends on the data alone). An epoch at least as good as the best so far replaces it:
 ties go to the later epoch, the one training without keep_best would write.
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from eyrie.drafter.checkpoint import predicted_lengths
+
 
 def acceptance_score(evaluation: dict) -> tuple[int, float] | None:
     """(k, simulated acceptance length) of the longest chain with a length, or None when nothing was measured."""
-    for k, length in reversed(list(zip(evaluation["k"], evaluation["length"]))):
+    for k, length in reversed(list(zip(evaluation["k"], predicted_lengths(evaluation)[1]))):
         if length is not None:
             return int(k), float(length)
     return None

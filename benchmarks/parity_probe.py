@@ -1,0 +1,94 @@
+"""Where a parity gap comes from: training's simulation and the served chain on the very same tokens.
+
+The benchmark's parity gate compares the served chain acceptance with training's prediction on held-out
+cache samples. A gap has two kinds of cause: the drafter is served differently from how it was trained
+(a bug: both numbers on the same tokens then differ), or the benchmark's sequences are unlike the cached
+ones (both numbers on the same tokens then agree, and the cache's prediction was the wrong yardstick).
+This script separates them: it decodes held-out prompts with the served chain (k drafts per round), then
+runs training's own simulation (eyrie.training.acceptance.batch_counts) on the decoded sequences, with the
+target's states computed as extraction computes them, and prints both per position.
+
+    python benchmarks/parity_probe.py --workdir <pipeline dir> --dataset sharegpt --prompts 4 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from eyrie.bench.benchmark import first_turn, load_heldout_prompts, load_models, stop_ids_of
+from eyrie.decoding.decode import speculative_decode
+from eyrie.target.aux_layers import capture_indices
+from eyrie.target.chat_template import render
+from eyrie.target.states import TargetStates
+from eyrie.training.acceptance import ROWS, acceptance_summary, batch_counts
+from eyrie.training.inputs import padded_batch
+
+
+def served(model, drafter, prompts, max_new_tokens, stop_ids, k):
+    """Per prompt: (prompt ids, new tokens, SpecResult) of the served chain."""
+    return [(ids, (r := speculative_decode(model, drafter, ids, max_new_tokens, stop_ids, k)).tokens, r) for ids in prompts]
+
+
+def simulated(model, drafter, sequences, steps: int) -> dict:
+    """Training's simulation on (prompt ids, new tokens): loss mask on the new tokens, states as extraction computes them."""
+    capture = capture_indices(list(drafter.shape.aux_layer_ids), model.config.num_hidden_layers)
+    lm_head = model.get_output_embeddings().weight.detach().float()
+    draft_ids = (torch.arange(drafter.d2t.numel()) + drafter.d2t.cpu()).to(model.device)
+    totals = torch.zeros(len(ROWS), steps, dtype=torch.int64)
+    drafter_f32 = drafter.float()
+    for prompt, new in sequences:
+        ids = torch.tensor([prompt + new], device=model.device)
+        keep = torch.arange(ids.shape[1], device=model.device)
+        with torch.no_grad(), TargetStates(model, capture) as target:
+            aux, final = target.states(ids, keep)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[0, len(prompt):] = True
+        batch = padded_batch(aux.float()[None], final.float()[None], ids, mask, torch.tensor([ids.shape[1]]), model.device)
+        totals += batch_counts(drafter_f32, batch, target_lm_head=lm_head, draft_ids=draft_ids, t2d=drafter.t2d.to(model.device),
+                               steps=steps, attention="eager", use_bf16=False).cpu()
+    return acceptance_summary(totals.tolist(), source="served sequences", samples=len(sequences))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="a pipeline directory: resources/models/<model>, results/drafter, results/prompts")
+    parser.add_argument("--model", default=None, help="the target's directory (default: the one under resources/models)")
+    parser.add_argument("--dataset", default="sharegpt")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--any-template", action="store_true", help="skip the check that the target's template is the drafter's")
+    args = parser.parse_args()
+    work = Path(args.workdir)
+    target_dir = args.model or str(next((work / "resources" / "models").iterdir()))
+    if args.any_template:  # a target converted elsewhere (another transformers) can differ in its special tokens only
+        from eyrie.drafter.checkpoint import load_drafter
+        from eyrie.target.model import load_target
+
+        model, tokenizer = load_target(target_dir, dtype=args.dtype, device=args.device, trust_remote_code=False)
+        drafter = load_drafter(work / "results" / "drafter", model.get_input_embeddings().weight.detach()).to(model.device, model.dtype).eval()
+    else:
+        model, tokenizer, drafter, _, _ = load_models(target_dir, work / "results" / "drafter", args.dtype, args.device, None, False)
+    prompts = load_heldout_prompts(work / "results" / "prompts" / args.dataset / "heldout.parquet", args.prompts)
+    encoded = [tokenizer(render(tokenizer, first_turn(p), add_generation_prompt=True), add_special_tokens=False)["input_ids"] for p in prompts]
+    runs = served(model, drafter, encoded, args.max_new_tokens, stop_ids_of(model, tokenizer), args.k)
+    rounds = sum(r.rounds for _, _, r in runs)
+    served_rate = [sum(r.accepted_per_position[j] for _, _, r in runs) / rounds for j in range(args.k)]
+    served_length = sum(sum(r.acceptance_lengths) for _, _, r in runs) / rounds
+    sim = simulated(model, drafter, [(p, t) for p, t, _ in runs], args.k)
+    recorded = json.loads((work / "results" / "drafter" / "config.json").read_text()).get("eyrie", {}).get("simulated_acceptance", {})
+    print(json.dumps({
+        "served": {"length": served_length, "rate_per_position": served_rate, "rounds": rounds},
+        "simulated_on_served_tokens": {k: sim[k] for k in ("length", "conditional_length", "walked_length", "walked_rounds", "per_step_accuracy", "conditional_accuracy", "positions_per_step")},
+        "training_prediction": {k: recorded.get(k) for k in ("length", "conditional_length", "walked_length", "per_step_accuracy")},
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
