@@ -10,7 +10,7 @@ w = sys.argv[1]
 for path in sorted(glob.glob(f"{w}/results/bench/*.json")):
     r = json.load(open(path))
     print(f"bench {r.get('benchmark')}: acceptance {r.get('mean_acceptance_length')}, speedup {r.get('speedup')}, greedy {r.get('greedy_tokens_per_s')} tok/s, spec {r.get('spec_tokens_per_s')} tok/s, lossless {r.get('lossless')}, decoder {r.get('decoder')}, prompts {r.get('prompts')}")
-    print("  phases", r.get("phase_seconds"), "| ngram", (r.get("ngram") or {}).get("mean_acceptance_length"), (r.get("ngram") or {}).get("tokens_per_s"))
+    print("  phases", r.get("phase_seconds"), "| drafter fusion failure", r.get("drafter_fusion_failure"), "| ngram", (r.get("ngram") or {}).get("mean_acceptance_length"), (r.get("ngram") or {}).get("tokens_per_s"))
     print("  floor", {k: v for k, v in (r.get("floor") or {}).items() if not isinstance(v, (list, dict))})
     print("  parity", {k: v for k, v in (r.get("parity") or {}).items() if k in ("simulated", "measured", "gap", "judged")})
     for x in (r.get("sweep") or {}).get("settings", []):

@@ -253,7 +253,7 @@ def test_compiled_steps_decode_exactly_like_eager_steps():
 
 def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_layers_and_draft_lengths():
     """Fusion is per layer: every layer, attention span and draft length shares the compiled pieces of its step width
-    (tokens per forward). Whole-step compiles cost one graph of all layers per span and draft length: minutes per
+    (tokens per forward), for the target's layers and the drafter's. Whole-step compiles cost one graph of all layers per span and draft length: minutes per
     benchmark job on an H200. Alternating draft lengths prompt by prompt (a sweep) replays rounds instead of capturing again."""
     import torch._dynamo
 
@@ -272,7 +272,25 @@ def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_laye
         chain = fused.drafter_for(drafter).rounds[k]
         assert rounds.setdefault(k, chain) is chain  # kept, not captured again
     widths = {1, 3, 4}  # greedy steps; verifies of k + 1 tokens
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * len(widths)
+    # The drafter's layer too: two pieces per width (the extend's k + 1 rows, a chain step's 1) and its head's one.
+    assert fused.drafter_for(drafter).fusion_failure is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * len(widths) + 2 * len(widths) + 1
+
+
+def test_a_drafter_piece_that_fails_to_compile_runs_eagerly_and_says_why():
+    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    drafter = tiny_drafter(model)
+    prompt = [1, 2, 3, 4, 0, 1]
+    fused, eager = StaticLlama(model, 64, cuda_graphs=False, compile=True), StaticLlama(model, 64, cuda_graphs=False)
+    eagle = fused.drafter_for(drafter)
+
+    def broken(*args):
+        raise RuntimeError("inductor could not lower this\nlong trace")
+
+    eagle._fused["_outputs"] = broken
+    a, b = speculative_decode(eager, drafter, prompt, 16, set(), 3), speculative_decode(fused, drafter, prompt, 16, set(), 3)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+    assert eagle.fusion_failure == "_outputs: RuntimeError: inductor could not lower this"
 
 
 def test_compile_auto_fuses_on_cuda_only():

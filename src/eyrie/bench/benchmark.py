@@ -432,6 +432,8 @@ def run_benchmark(
         "draft_tokens": cfg["draft_tokens"],
         "decoder": decoder,
         "decoder_fallback_reason": fallback,
+        # A drafter piece that failed to compile ran eagerly (eyrie.decoding.static.StaticEagle3): slower, same tokens.
+        "drafter_fusion_failure": next((e.fusion_failure for e in getattr(engine, "drafters", {}).values() if e.fusion_failure), None),
         "max_new_tokens": cfg["max_new_tokens"],
         "min_acceptance_length": cfg["min_acceptance_length"],
         "dtype": timing_dtype,
