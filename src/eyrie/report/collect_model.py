@@ -428,7 +428,7 @@ def _parity_figures(data) -> dict[str, Any] | None:
     """Training's predicted acceptance for the benchmark's k beside the measured one; None for JSONs without it."""
     if not isinstance(data, dict) or number(data.get("simulated")) is None:
         return None
-    return {key: data.get(key) for key in ("k", "simulated", "measured", "gap", "max_gap", "judged", "not_judged_because", "source", "eval_samples")}
+    return {key: data.get(key) for key in ("k", "simulated", "form", "measured", "gap", "max_gap", "judged", "not_judged_because", "source", "eval_samples")}
 
 
 def _ngram_figures(data: dict) -> dict[str, Any]:
