@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 import torch
 
 from eyrie.data.tokens import TOKENS_SCHEMA
-from eyrie.hidden.extract import _base_model, _batch_inputs, _to_device, extract_shard, plan_token_batches
+from eyrie.hidden.extract import _batch_inputs, _to_device, extract_shard, plan_token_batches
+from eyrie.target.states import _base_model
 from eyrie.target.aux_layers import default_aux_layer_ids
 
 TEMPLATE = "0" * 64  # the synthetic shard's template fingerprint; extract_shard only checks that it matches

@@ -1,4 +1,6 @@
 # Token shard -> the target's aux and final hidden states for every token (the drafter's training input).
+# hidden.tensor_parallel N: each job runs the target as N torchrun ranks, one GPU each (eyrie.hidden.parallel).
+from eyrie.hidden.parallel import extraction_gpus
 
 
 rule extract_hidden:
@@ -10,14 +12,16 @@ rule extract_hidden:
         hidden_cache("results/hidden/{dataset}/{shard}.safetensors"),
     params:
         aux_layer_ids=config["drafter"]["aux_layer_ids"],
-        # keep says whether the cache stays, not what is in it: switching it must not re-extract.
-        hidden=canonical({k: v for k, v in config["hidden"].items() if k != "keep"}),
+        # keep says whether the cache stays and tensor_parallel how many processes compute it, not what is in it:
+        # switching either must not re-extract (the script reads tensor_parallel from the config).
+        hidden=canonical({k: v for k, v in config["hidden"].items() if k not in ("keep", "tensor_parallel")}),
         model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),
-    # On a GPU the forward is a small share of a job (model load, writing the cache): a few cores each let
+    # On a GPU the forward is a small share of a job (model load, writing the cache): a few cores per GPU let
     # shards overlap on one card (`--resources gpu=N` caps how many); on the CPU a shard takes every core.
-    threads: workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)
+    threads: workflow.cores if config["model"]["device"] != "cuda" else min(4 * config["hidden"]["tensor_parallel"], workflow.cores)
     resources:
-        gpu=int(config["model"]["device"] == "cuda"),
+        # One GPU per tensor-parallel rank (model.device auto counts as a GPU, as for regeneration and training).
+        gpu=extraction_gpus(config),
     log:
         "logs/hidden/{dataset}/{shard}.log",
     benchmark:

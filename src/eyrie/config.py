@@ -94,6 +94,12 @@ def _check_consistency(config: dict, origin: str) -> None:
         raise ConfigError(
             f"{origin}: hidden.dtype: float8_e4m3fn is how a cache is stored, and hidden.mode online stores none; use bfloat16 (the default) or float32"
         )
+    if config["hidden"]["mode"] == "online" and config["hidden"]["tensor_parallel"] > 1:
+        raise ConfigError(
+            f"{origin}: hidden.tensor_parallel: {config['hidden']['tensor_parallel']} splits the target of the extract job, and "
+            "hidden.mode online has none (the training job loads the whole target on each of its devices); "
+            "set hidden.tensor_parallel: 1, or hidden.mode: offline"
+        )
     aux_layer_ids = config["drafter"]["aux_layer_ids"]
     if aux_layer_ids is not None:
         try:

@@ -299,4 +299,14 @@ def format_cache(config: dict, workdir: str | Path = ".") -> str:
     from eyrie.hidden.size import estimate_cache, format_estimate
 
     shards = [(d, s) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]
-    return format_estimate(estimate_cache(config, workdir, shards, model_dir(config)))
+    text = format_estimate(estimate_cache(config, workdir, shards, model_dir(config)))
+    return text if config["hidden"].get("mode") == "online" else f"{text}\n{format_extraction_jobs(config, len(shards))}"
+
+
+def format_extraction_jobs(config: dict, jobs: int) -> str:
+    """What each extract_hidden job asks Snakemake (and SLURM) for (rules/hidden.smk)."""
+    from eyrie.hidden.parallel import extraction_gpus
+
+    processes, gpus = int(config["hidden"].get("tensor_parallel", 1)), extraction_gpus(config)
+    ranks = f", hidden.tensor_parallel {processes}: the target split over {processes} torchrun ranks" if processes > 1 else ""
+    return f"  extraction:  {jobs} extract_hidden job{'s' * (jobs != 1)}, each asking for {gpus} GPU{'s' * (gpus != 1)} (model.device {config['model']['device']}{ranks})"

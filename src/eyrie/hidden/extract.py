@@ -5,10 +5,15 @@ eyrie.target.states (the forward that online training shares: hooks keep only th
 layers' outputs); only real tokens leave the device, and a background thread writes each batch's
 rows straight to their place in the file while the next batch runs. The file's layout, its
 manifest and its readers belong to eyrie.hidden.cache.
+
+With hidden.tensor_parallel N the job runs this module as N torchrun ranks (`python -m
+eyrie.hidden.extract ARGS.json`, launched by eyrie.hidden.parallel): every rank runs the same batches
+on its part of the target, and rank 0 alone writes, the same file one process writes.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import threading
@@ -32,7 +37,8 @@ from eyrie.hidden.cache import (
     storage_specs,
 )
 from eyrie.hidden.size import ensure_room, shard_bytes
-from eyrie.target.aux_layers import capture_indices
+from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.target.model import load_model
 from eyrie.target.states import TargetStates, text_config
 
 
@@ -139,11 +145,14 @@ def extract_shard(
     batch_tokens: int,
     dtype: str = "bfloat16",
     progress: bool = True,
+    writes: bool = True,
 ) -> dict:
     """Run the target over a token shard and cache aux [T, 3H] and final normed [T, H] states; returns the manifest.
 
     With dtype float8_e4m3fn the states are stored quantized with per-token, per-layer-block scales
     (aux_scale [T, 3], final_scale [T, 1], see eyrie.hidden.fp8); load_hidden and the trainer dequantize.
+    writes False: a tensor-parallel rank other than 0, which runs the same forwards (its share of each
+    matrix product, joined by all-reduces) and keeps nothing.
     """
     import torch
     from tqdm import tqdm
@@ -183,9 +192,15 @@ def extract_shard(
     }
     if is_fp8(dtype_name):
         manifest["scales"] = FP8_SCALES_NOTE
+    ids_t = torch.from_numpy(input_ids)
+    if not writes:
+        with torch.inference_mode(), TargetStates(model, capture, HiddenCacheError) as target:
+            for batch in batches:
+                x, keep, _ = _batch_inputs(batch, lengths, offsets, ids_t)
+                target.states(_to_device(x, device), _to_device(keep, device))
+        return manifest
     # Refuse before the first forward: a full disk would otherwise fail the job hours in, at the last batch.
     ensure_room(out_path, shard_bytes(hidden, dtype_name, len(sample_ids), total, manifest), dtype_name)
-    ids_t = torch.from_numpy(input_ids)
     bar = tqdm(
         total=len(sample_ids),
         unit="sample",
@@ -228,3 +243,41 @@ def extract_shard(
     finally:
         bar.close()
     return manifest
+
+
+def extract_target_shard(
+    *, model_dir: str, model_cfg: dict, aux_layer_ids=None, tensor_parallel: int = 1, threads: int | None = None, progress: bool = True, **shard
+) -> dict | None:
+    """Load the target and extract one shard (extract_shard's keyword arguments in `shard`); the extract job's body.
+
+    tensor_parallel > 1: this process is one of that many torchrun ranks and loads its part of the target;
+    only rank 0 writes the file and returns the manifest, the others return None.
+    model_cfg: model.dtype, model.device, model.trust_remote_code; aux_layer_ids None: the target's default.
+    """
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(model_dir, **model_cfg, tensor_parallel=tensor_parallel)
+    rank = torch.distributed.get_rank() if tensor_parallel > 1 else 0
+    try:
+        aux_layer_ids = aux_layer_ids or default_aux_layer_ids(text_config(model).num_hidden_layers)
+        manifest = extract_shard(model=model, aux_layer_ids=aux_layer_ids, writes=rank == 0, progress=progress and rank == 0, **shard)
+    finally:
+        if tensor_parallel > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # transformers joined the group while loading
+    return manifest if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eyrie.hidden.extract ARGS.json`: one torchrun rank of a tensor-parallel extraction (eyrie.hidden.parallel)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m eyrie.hidden.extract ARGS.json (extract_target_shard's keyword arguments)", file=sys.stderr)
+        return 2
+    extract_target_shard(**json.loads(Path(argv[0]).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from eyrie.core.atomic import write_directory_atomically
-from eyrie.core.errors import InputFileError
+from eyrie.core.errors import ConfigError, InputFileError
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -25,6 +26,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         model.config.architectures = [type(model).__name__]
     if not tokenizer.chat_template:
         raise InputFileError(f"{gguf_path}: carries no chat template; eyrie needs the target's own template")
+    align_special_tokens(tokenizer, model.generation_config, gguf_special_ids(gguf_path))
 
     def save(temporary: Path) -> None:
         model.save_pretrained(temporary)
@@ -32,6 +34,38 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     write_directory_atomically(out_dir, save)
     return out_dir
+
+
+GGUF_SPECIAL_TOKENS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
+
+
+def gguf_special_ids(gguf_path: str | Path) -> dict[str, int]:
+    """The GGUF's own special token ids (its tokenizer.ggml.*_token_id fields), by tokenizer name, where it records them."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    ids = {}
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and field.data:
+            ids[name] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def align_special_tokens(tokenizer, generation_config, ids: dict[str, int]) -> None:
+    """Set the tokenizer's and generation config's special tokens to the GGUF's ids.
+
+    transformers' GGUF loader maps them differently across versions: under 5.17 SmolLM2's eos came out as
+    <|im_start|> (id 1), under 5.24 as <|im_end|> (id 2, what the GGUF says). The eos decides where generation
+    stops and is part of the template fingerprint, so a model converted on one machine must equal one converted
+    on another.
+    """
+    for name, token_id in ids.items():
+        if not 0 <= token_id < len(tokenizer):
+            continue  # a GGUF naming an id outside its own vocabulary: leave transformers' choice
+        setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(token_id))
+        if name in ("bos", "eos", "pad"):
+            setattr(generation_config, f"{name}_token_id", token_id)
 
 
 def check_model_dir(model_dir: str | Path) -> Path:
@@ -68,19 +102,84 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
-    """The model alone, for inference (eval mode); weights come from safetensors only."""
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False, tensor_parallel: int = 1):
+    """The model alone, for inference (eval mode); weights come from safetensors only.
+
+    tensor_parallel > 1: this process's part of the model, as one of that many torchrun ranks, split by
+    transformers' own tensor parallelism (the model's tp plan: attention heads and MLP columns over the
+    ranks, each block's output all-reduced, so every rank holds the whole hidden states). Each rank
+    reads only its shard of every weight.
+    """
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
+    parallel = tensor_parallel_settings(model_dir, tensor_parallel, device, trust_remote_code) if tensor_parallel > 1 else {}
     model = AutoModelForCausalLM.from_pretrained(
         check_model_dir(model_dir),
         dtype=resolve_dtype(dtype, device),
         trust_remote_code=trust_remote_code,
         use_safetensors=True,
-    ).to(device)
+        **parallel,
+    )
+    if not parallel:
+        model = model.to(device)  # a tensor-parallel model is already on this rank's device
     model.eval()
     return model
+
+
+def check_tensor_parallel(config, processes: int) -> None:
+    """Refuse a target that transformers cannot split over `processes` ranks: it needs a tp plan, and each rank whole heads.
+
+    transformers shards q/k/v by output width and does not check the heads: a split head fails the first
+    forward with a reshape error, so it is checked here, before a rank starts.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not (getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)):
+        raise ConfigError(
+            f"hidden.tensor_parallel: {processes}: transformers has no tensor-parallel plan for this target ({config.model_type}); set it to 1"
+        )
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, name, None)
+        if isinstance(heads, int) and heads % processes:
+            raise ConfigError(
+                f"hidden.tensor_parallel: {processes} does not divide the target's {name} ({heads}); every rank must hold whole heads, "
+                f"so use a divisor of {heads}"
+            )
+
+
+def check_tensor_parallel_device(device: str, processes: int) -> None:
+    """Refuse a device that transformers' tensor parallelism would not use: it binds each rank to the accelerator torch was
+    built for (CUDA for a CUDA build, one GPU per LOCAL_RANK, even with no GPU visible), and to the CPU over gloo only
+    with a CPU build of torch, whatever model.device says."""
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator()  # the build's accelerator, None for a CPU build
+    placed = accelerator.type if accelerator is not None else "cpu"
+    if placed != torch.device(device).type:
+        raise ConfigError(
+            f"hidden.tensor_parallel: {processes} with model.device {device}: transformers' tensor parallelism puts the ranks on "
+            f"{placed}, the accelerator this torch was built for; "
+            + ("run it on GPUs (model.device: cuda), or with a CPU build of torch" if placed != "cpu" else "set model.device: cpu")
+        )
+    if placed == "cuda" and torch.cuda.device_count() < processes:
+        raise ConfigError(f"hidden.tensor_parallel: {processes} ranks, one GPU each, but this machine shows {torch.cuda.device_count()} CUDA devices")
+
+
+def tensor_parallel_settings(model_dir: str | Path, processes: int, device: str, trust_remote_code: bool = False) -> dict:
+    """from_pretrained's arguments for this torchrun rank's part of a `processes`-way split target, once the target and
+    the device are checked (check_tensor_parallel, check_tensor_parallel_device)."""
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != processes or "RANK" not in os.environ:
+        raise ConfigError(
+            f"hidden.tensor_parallel: {processes}, but this process is not one of {processes} torchrun ranks (WORLD_SIZE={world}); "
+            "the extract job launches them (eyrie.hidden.parallel)"
+        )
+    check_tensor_parallel(AutoConfig.from_pretrained(check_model_dir(model_dir), trust_remote_code=trust_remote_code), processes)
+    check_tensor_parallel_device(device, processes)
+    return {"distributed_config": DistributedConfig(tp_size=processes)}
 
 
 def load_target(model_dir: str | Path, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
