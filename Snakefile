@@ -21,8 +21,9 @@ include: "rules/report.smk"
 # The default target asks for every planned file, not only report.html: Snakemake rebuilds a missing intermediate
 # only for a job that must run, and an up-to-date report.html needs none. So after a kill or a deleted file,
 # `snakemake --cores all --rerun-incomplete` (no target) rebuilds what is gone and what is made from it;
-# `eyrie verify` also finds corrupt files and prints the command that forces them.
+# `eyrie verify` also finds corrupt files and prints the command that forces them. (Prompt shards: only lost ones,
+# which their prompts job then declares; see rules/common.smk.)
 rule all:
     default_target: True
     input:
-        [planned.path for planned in PLANNED if planned.kept],
+        buildable_planned_files(),

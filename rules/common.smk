@@ -4,6 +4,7 @@ import os
 import re
 
 import eyrie.config
+import eyrie.data.prompts
 import eyrie.plan
 import eyrie.verify
 from eyrie.core.errors import ConfigError
@@ -123,6 +124,22 @@ def dataset_source(dataset):
 
 def prompt_shards(dataset):
     return [f"results/prompts/{dataset}/{shard}.parquet" for shard in shards(dataset)]
+
+
+def prompts_summary(dataset):
+    return f"results/prompts/{dataset}/summary.json"
+
+
+# A dataset's prompts job writes every prompt shard but declares only the ones lost since it finished
+# (rules/data.smk), so that a target asking for them reruns it; regeneration depends on its summary.json.
+LOST_PROMPT_SHARDS = {d: eyrie.data.prompts.lost_shards(prompts_summary(d), prompt_shards(d)) for d in DATASETS}
+
+
+def buildable_planned_files():
+    """Every planned file that Snakemake knows a job for: all of them, less the prompt shards that are there or not
+    yet built (their job declares only lost ones). What `rule all` asks for."""
+    undeclared = {path for d in DATASETS for path in prompt_shards(d)} - {path for lost in LOST_PROMPT_SHARDS.values() for path in lost}
+    return [planned.path for planned in PLANNED if planned.kept and planned.path not in undeclared]
 
 
 def all_of(pattern):

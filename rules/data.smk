@@ -1,5 +1,5 @@
 # Datasets -> prompt shards (assistant turns removed), a held-out benchmark split and a summary.
-# One rule per dataset, because each dataset declares its own number of shard outputs.
+# One rule per dataset, because each declares its own outputs: its held-out split, its summary and its lost shards.
 
 for _dataset in DATASETS:
 
@@ -8,12 +8,16 @@ for _dataset in DATASETS:
             f"build_prompts_{_dataset}"
         input:
             source=dataset_source(_dataset),
+        # It writes every prompt shard (params.shards; summary.json last) but declares only those lost since it ran
+        # (rules/common.smk): one job with N outputs that N regeneration jobs depend on makes Snakemake's planning
+        # quadratic in the shard count (docs/PERFORMANCE.md, "The DAG at scale").
         output:
-            shards=prompt_shards(_dataset),
+            *LOST_PROMPT_SHARDS[_dataset],
             heldout=f"results/prompts/{_dataset}/heldout.parquet",
-            summary=f"results/prompts/{_dataset}/summary.json",
+            summary=prompts_summary(_dataset),
         params:
             dataset=_dataset,
+            shards=prompt_shards(_dataset),
             spec=canonical({k: v for k, v in config["datasets"][_dataset].items() if k != "generation"}),
         log:
             f"logs/prompts/{_dataset}.log",

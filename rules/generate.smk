@@ -5,12 +5,14 @@
 
 rule regenerate_shard:
     input:
-        prompts="results/prompts/{dataset}/{shard}.parquet",
+        # The dataset's prompts job declares its summary (written last), not each shard: the job reads params.prompts.
+        prompts_summary="results/prompts/{dataset}/summary.json",
         # Server engines need it too: its tokenizer checks prompt lengths and fingerprints the template.
         model=model_dir(),
     output:
         "results/completions/{dataset}/{shard}.parquet",
     params:
+        prompts="results/prompts/{dataset}/{shard}.parquet",  # the shard this job answers (see input)
         # Only what changes the completions; the engine (its kind, batch sizes, servers) is deliberately not here.
         settings=lambda wc: canonical(eyrie.config.generation_settings(config, wc.dataset)),
         model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),

@@ -7,7 +7,7 @@ with job_log(snakemake.log[0]):
         dataset=snakemake.params.dataset,
         spec=snakemake.params.spec,
         source_path=snakemake.input.source if snakemake.input.source else None,
-        shard_paths=list(snakemake.output.shards),
+        shard_paths=list(snakemake.params.shards),  # all of them; the rule declares only lost ones as outputs
         heldout_path=snakemake.output.heldout,
         summary_path=snakemake.output.summary,
     )

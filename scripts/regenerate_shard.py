@@ -14,7 +14,7 @@ with job_log(snakemake.log[0]):
     server_log = Path("logs/sglang") / dataset / f"{shard}.log"
     with open_engine(engine_config, snakemake.input.model, snakemake.params.model, snakemake.threads, server_log) as (engine, tokenizer):
         regenerate_shard(
-            prompts_path=snakemake.input.prompts,
+            prompts_path=snakemake.params.prompts,
             out_path=snakemake.output[0],
             partial_dir=snakemake.params.partial_dir,
             dataset=dataset,

@@ -148,3 +148,23 @@ def test_damage_to_each_kind_of_artifact_is_named_and_the_printed_command_restor
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     assert_restored(workdir, reference[1])
+
+
+def test_a_deleted_prompt_shard_is_warned_about_planned_by_the_default_target_and_rebuilt(reference, tmp_path):
+    """A dataset's prompts job writes every shard but declares to Snakemake only those lost since it ran (planning stays
+    linear in the shard count), so a deleted one must still be seen: warned about for report.html, which needs no job
+    (as for every intermediate), and rebuilt by the default target, the README's recovery command."""
+    workdir = copy_of(reference[0], tmp_path / "w")
+    (workdir / "results/prompts/sharegpt/0001.parquet").unlink()
+
+    preview = snakemake(workdir, "-n", "report.html")
+    assert "Nothing to be done" in preview.stdout + preview.stderr
+    assert "that report.html was built from are gone: results/prompts/sharegpt/0001.parquet" in preview.stdout + preview.stderr
+    planned = snakemake(workdir, "-n").stdout  # the default target: every planned file
+    assert "build_prompts_sharegpt:" in planned and "results/prompts/sharegpt/0001.parquet" in planned
+    assert "regenerate_shard:" in planned
+
+    snakemake(workdir, "--rerun-incomplete")  # README: snakemake --cores all --rerun-incomplete
+    assert_restored(workdir, reference[1])
+    again = snakemake(workdir, "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr

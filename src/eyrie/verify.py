@@ -200,6 +200,15 @@ def _unchanged_since_made(workdir: Path, output: str, input_path: str) -> bool:
     return digest.hexdigest() == recorded.removeprefix("sha256:")
 
 
+def forcerun_target(path: str) -> str:
+    """What --forcerun must name to rewrite `path`: the file itself, except a prompt shard, which its prompts job writes
+    but does not declare (rules/common.smk: only lost shards are declared); that job's summary.json is declared."""
+    parts = path.split("/")
+    if len(parts) == 4 and parts[:2] == ["results", "prompts"] and parts[3] not in ("heldout.parquet", "summary.json"):
+        return f"results/prompts/{parts[2]}/summary.json"
+    return path
+
+
 def rebuild_command(result: Verification) -> str | None:
     """The one `snakemake` command that rebuilds exactly what is missing or corrupt (and what is made from it)."""
     if result.ok:
@@ -212,7 +221,7 @@ def rebuild_command(result: Verification) -> str | None:
     # No target: the default, `rule all`, asks for every planned file, so every missing one is rebuilt. Corrupt files
     # look up to date to Snakemake: --forcerun names them (it comes last: it takes every argument after it).
     command += ["--cores", "all", "--rerun-incomplete"]
-    corrupt = [f.path for f in result.of(CORRUPT)]
+    corrupt = list(dict.fromkeys(forcerun_target(f.path) for f in result.of(CORRUPT)))
     if corrupt:
         command += ["--forcerun", *corrupt]
     return shlex.join(command)

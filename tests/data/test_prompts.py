@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie.core.errors import BadRecordError, InputFileError
-from eyrie.data.prompts import PROMPT_SCHEMA, build_prompts, is_heldout, shard_of, stable_unit
+from eyrie.data.prompts import PROMPT_SCHEMA, build_prompts, is_heldout, lost_shards, shard_of, stable_unit
 from eyrie.data.sources import RawRecord, iter_file_records
 
 
@@ -111,11 +111,63 @@ def test_written_files_match_schema_sorted_by_id_and_empty_shards_exist(tmp_path
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
 
 
+def test_a_shard_is_lost_only_once_the_summary_says_the_prompts_were_written(tmp_path):
+    """What the Snakefile declares as the prompts job's outputs: nothing before it ran (or after a kill, which leaves no
+    summary), every shard gone since it finished."""
+    shards = [str(tmp_path / "out" / f"shard_{i:04d}.parquet") for i in range(2)]
+    summary = tmp_path / "out" / "summary.json"
+    assert lost_shards(summary, shards) == []
+    build(tmp_path, [RawRecord(f"line {i}", sharegpt(name, ("human", name))) for i, name in enumerate("abcdef")])
+    assert lost_shards(summary, shards) == []
+    (tmp_path / "out" / "shard_0001.parquet").unlink()
+    assert lost_shards(summary, shards) == [shards[1]]
+
+
+def test_a_rebuild_leaves_unchanged_shards_as_they_were_and_rewrites_damaged_or_changed_ones(tmp_path):
+    """The prompts job reruns over its old shards (the Snakefile declares them only once lost): one that holds what the
+    rebuild would write keeps its bytes and its time, so nothing made from it looks stale; any other is replaced."""
+    import os
+
+    records = [RawRecord(f"line {i}", sharegpt(name, ("human", name))) for i, name in enumerate("abcdefgh")]
+    build(tmp_path, records, n_shards=3)
+    shards = [tmp_path / "out" / f"shard_{i:04d}.parquet" for i in range(3)]
+    for shard in shards:
+        os.utime(shard, (1_700_000_000, 1_700_000_000))
+    damaged = bytearray(shards[1].read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shards[1].write_bytes(bytes(damaged))
+    os.utime(shards[1], (1_700_000_000, 1_700_000_000))
+    moved = next(r.data["id"] for r in records if shard_of(r.data["id"], 3) == 2)
+
+    build(tmp_path, [r for r in records if r.data["id"] != moved], n_shards=3)
+    assert shards[0].stat().st_mtime == 1_700_000_000  # unchanged
+    assert shards[1].stat().st_mtime > 1_700_000_000 and shards[1].read_bytes() != bytes(damaged)  # repaired
+    assert shards[2].stat().st_mtime > 1_700_000_000  # lost a record
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([s.name for s in shards] + ["heldout.parquet", "summary.json"])
+
+
 def test_summary_has_every_key(tmp_path):
     summary = build(tmp_path, [RawRecord("line 1", sharegpt("a", ("human", "x")))])
-    assert list(summary) == ["dataset", "source", "format", "records_read", "bad_records", "bad_examples", "duplicates",
+    assert list(summary) == ["dataset", "source", "format", "records_read", "bad_records", "bad_examples", "duplicates", "repeated_first_turns",
                              "usable", "limit", "used", "heldout", "train", "shards", "truncation", "roles_seen", "eyrie_digest"]
     assert summary["truncation"] is None and summary["source"] == "<records>"
+
+
+def test_repeated_first_turns_keep_their_first_record_when_asked(tmp_path):
+    """Greedy targets answer one first turn alike: only the first record of each (whitespace and case folded) is kept,
+    later turns and the assistant's old replies notwithstanding; a system turn makes another first turn."""
+    records = [
+        RawRecord("line 1", sharegpt("a", ("human", "Continue"), ("gpt", "x"), ("human", "more"))),
+        RawRecord("line 2", sharegpt("b", ("human", "  continue "), ("gpt", "y"), ("human", "other"))),
+        RawRecord("line 3", sharegpt("c", ("system", "Be terse."), ("human", "continue"))),
+        RawRecord("line 4", sharegpt("d", ("human", "something else"))),
+    ]
+    kept = build(tmp_path, records, out="on", dedupe_first_turn=True)
+    assert kept["repeated_first_turns"] == 1 and kept["usable"] == 3
+    ids = {row["id"] for path in (tmp_path / "on").glob("*.parquet") for row in pq.read_table(path).to_pylist()}
+    assert ids == {"a", "c", "d"}
+    every = build(tmp_path, records, out="off")
+    assert every["repeated_first_turns"] is None and every["usable"] == 4
 
 
 # ---------------------------------------------------------------- ids

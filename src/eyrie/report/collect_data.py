@@ -150,6 +150,7 @@ def _dataset_row(name: str, summary: dict | None) -> dict[str, Any]:
         "bad_total": sum(bad.values()),
         "bad_examples": [str(e) for e in summary.get("bad_examples") or []],
         "duplicates": summary.get("duplicates"),
+        "repeated_first_turns": summary.get("repeated_first_turns"),  # None: not deduplicated by first turn
         "usable": summary.get("usable"),
         "limit": summary.get("limit"),
         "used": summary.get("used"),
