@@ -235,11 +235,15 @@ def test_planned_outputs_are_what_snakemake_plans(tmp_path, mode):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "local.jsonl").write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
     snakemake_plans, planned = plans_of(tmp_path)
-    # A dataset's prompts job writes every prompt shard but declares only those lost since it ran (rules/data.smk):
-    # nothing is built here, so Snakemake's DAG has none of them.
-    prompt_shards = {(path, rule) for path, rule in planned if rule.startswith("build_prompts_") and re.search(r"/\d{4,}\.parquet$", path)}
+    prompt_shards = undeclared_prompt_shards(planned)
     assert prompt_shards and snakemake_plans == planned - prompt_shards
     assert any(rule == "extract_hidden" for _, rule in planned) == (mode == "offline")
+
+
+def undeclared_prompt_shards(planned: set) -> set:
+    """The prompt shards among `planned`: a dataset's prompts job writes every one but declares only those lost since it
+    ran (rules/data.smk), so with nothing built Snakemake's DAG has none of them."""
+    return {(path, rule) for path, rule in planned if rule.startswith("build_prompts_") and re.search(r"/\d{4,}\.parquet$", path)}
 
 
 def plans_of(workdir) -> tuple[set, set]:
