@@ -8,6 +8,7 @@ adding, removing or reordering other records never moves it.
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import json
 import os
@@ -294,22 +295,10 @@ def _write_unless_unchanged(table: pa.Table, path: Path) -> None:
         return
     fresh = path.with_name(f".{path.name}.fresh")
     write_parquet_atomically(table, fresh)  # the same writer writes the same bytes for the same rows
-    if _same_bytes(fresh, path):
+    if filecmp.cmp(fresh, path, shallow=False):
         fresh.unlink()
     else:
         os.replace(fresh, path)
-
-
-def _same_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with open(a, "rb") as first, open(b, "rb") as second:
-        while True:
-            block = first.read(chunk)
-            if block != second.read(chunk):
-                return False
-            if not block:
-                return True
 
 
 def _check_arguments(fmt: str, limit: int | None, n_shards: int, heldout_fraction: float,
