@@ -138,8 +138,8 @@ LOST_PROMPT_SHARDS = {d: eyrie.data.prompts.lost_shards(prompts_summary(d), prom
 def buildable_planned_files():
     """Every planned file that Snakemake knows a job for: all of them, less the prompt shards that are there or not
     yet built (their job declares only lost ones). What `rule all` asks for."""
-    undeclared = {path for d in DATASETS for path in prompt_shards(d)} - {path for lost in LOST_PROMPT_SHARDS.values() for path in lost}
-    return [planned.path for planned in PLANNED if planned.kept and planned.path not in undeclared]
+    lost = {path for shards in LOST_PROMPT_SHARDS.values() for path in shards}
+    return [planned.path for planned in PLANNED if planned.kept and (not planned.declared_through or planned.path in lost)]
 
 
 def all_of(pattern):

@@ -92,6 +92,30 @@ LOCAL_PROMPTS = [
 ]
 
 
+def one_lean_benchmark(config: dict) -> None:
+    """The held-out benchmark alone, on one prompt, chain only: the benchmarks are the tiny chain's slowest jobs, and
+    tests of recovery rerun them again and again. What they decode is tested by tests/bench, tests/decoding and the
+    full chain of tests/test_pipeline_e2e.py."""
+    config["bench"].update(humaneval=None, mtbench=None, sweep=[], prompts_per_dataset=1)
+
+
+@pytest.fixture(scope="session")
+def complete_run(tmp_path_factory, shared_resources) -> Path:
+    """One complete run to report.html of the tiny config with one_lean_benchmark, built once per session.
+
+    Tests that kill, damage or delete things work on copy_of(complete_run, ...), never on this directory."""
+    workdir = make_workdir(tmp_path_factory.mktemp("complete") / "run", shared_resources, one_lean_benchmark)
+    snakemake(workdir, "report.html")
+    return workdir
+
+
+def copy_of(reference: Path, into: Path) -> Path:
+    """A workdir with the reference's results and Snakemake metadata (timestamps kept), the big resources hard-linked."""
+    shutil.copytree(reference, into, symlinks=True, ignore=shutil.ignore_patterns("resources"))
+    shutil.copytree(reference / "resources", into / "resources", copy_function=os.link)
+    return into
+
+
 def make_workdir(path: Path, shared_resources: Path, config_changes=None, local_prompts=LOCAL_PROMPTS) -> Path:
     """A pipeline working directory: the tiny config, a local JSONL dataset, and the shared resources."""
     import json

@@ -1,8 +1,8 @@
 """Fault injection on the real Snakefile (tiny config): a kill inside every stage's job, and damage to every kind of artifact.
 
-Each case starts from a copy of one complete reference run, injects one fault and recovers the way the README says:
-after a kill `snakemake --unlock && snakemake --cores all --rerun-incomplete`; after damage, the command `eyrie
-verify` prints. Then every planned file must hold what the reference holds (timings aside), and `eyrie verify`
+Each case starts from a copy of one complete reference run (conftest's complete_run, which benchmarks one held-out
+prompt), injects one fault and recovers the way the README says: after a kill `snakemake --unlock && snakemake
+--cores all --rerun-incomplete`; after damage, the command `eyrie verify` prints. Then every planned file must hold what the reference holds (timings aside), and `eyrie verify`
 must find nothing wrong. A damaged artifact is named by `eyrie verify` before anything reads it.
 """
 
@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import SNAKEMAKE, make_workdir, snakemake
+from conftest import SNAKEMAKE, copy_of, snakemake
 from test_recovery_e2e import content, eyrie_verify, without_timings
 
 pytestmark = pytest.mark.e2e
@@ -39,17 +38,8 @@ KILL_AFTER_S = 3.0  # into the stage's first job: past Python's start-up for the
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, shared_resources):
-    workdir = make_workdir(tmp_path_factory.mktemp("faults") / "reference", shared_resources)
-    snakemake(workdir, "report.html")
-    return workdir, snapshot(workdir)
-
-
-def copy_of(reference: Path, into: Path) -> Path:
-    """A workdir with the reference's results and Snakemake metadata (timestamps kept), the big resources hard-linked."""
-    shutil.copytree(reference, into, symlinks=True, ignore=shutil.ignore_patterns("resources"))
-    shutil.copytree(reference / "resources", into / "resources", copy_function=os.link)
-    return into
+def reference(complete_run):
+    return complete_run, snapshot(complete_run)
 
 
 def dropping(value, words):

@@ -243,7 +243,7 @@ def test_two_training_processes_through_the_snakefile(built):
         jobs = {rule for rule, _ in dry_run_jobs(built)}
         assert jobs - {"all"} == {"train_drafter", "export_speculators", "benchmark_heldout", "benchmark_humaneval", "benchmark_mtbench",
                                   "write_report"}
-        snakemake(built, "report.html")
+        snakemake(built, "results/drafter")  # the benchmarks that follow are the same code as for one process
         log = (built / "logs/train/drafter.log").read_text()
         assert "2 ranks" in log and json.loads((built / "results/partial/train/launch.json").read_text())["train_cfg"]["processes"] == 2
         drafter = built / "results/drafter"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import SNAKEMAKE, make_workdir, snakemake
+from conftest import SNAKEMAKE, copy_of, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -28,11 +28,9 @@ TIMING_WORDS = ("second", "time", "elapsed", "per_s", "date", "digest")  # what 
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, shared_resources):
-    """One complete run of the tiny config up to report.html (as tests/test_pipeline_e2e.py's, which mutates its own)."""
-    workdir = make_workdir(tmp_path_factory.mktemp("recovery"), shared_resources)
-    snakemake(workdir, "report.html")
-    return workdir
+def built(tmp_path_factory, complete_run):
+    """A copy of the session's complete run, which this module's tests damage in turn."""
+    return copy_of(complete_run, tmp_path_factory.mktemp("recovery") / "run")
 
 
 def without_timings(value):

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import TINY_CONFIG, make_workdir, snakemake
-from test_verify import plans_of, undeclared_prompt_shards
+from test_verify import plans_of
 
 from eyrie.core.digest import verify
 
@@ -26,10 +26,9 @@ def test_planned_outputs_of_a_synthetic_dataset_are_what_snakemake_plans(tmp_pat
     config = yaml.safe_load(TINY_CONFIG.read_text())
     only_a_synthetic_dataset(config)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    snakemake_plans, planned = plans_of(tmp_path)
+    snakemake_plans, planned, undeclared = plans_of(tmp_path)
     assert ("results/synthetic/syn.parquet", "synthesize_prompts") in planned
-    prompt_shards = undeclared_prompt_shards(planned)
-    assert prompt_shards and snakemake_plans == planned - prompt_shards
+    assert undeclared and snakemake_plans == planned - undeclared
 
 
 @pytest.mark.e2e

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -234,20 +233,14 @@ def test_planned_outputs_are_what_snakemake_plans(tmp_path, mode):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "local.jsonl").write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
-    snakemake_plans, planned = plans_of(tmp_path)
-    prompt_shards = undeclared_prompt_shards(planned)
-    assert prompt_shards and snakemake_plans == planned - prompt_shards
+    snakemake_plans, planned, undeclared = plans_of(tmp_path)
+    assert undeclared and snakemake_plans == planned - undeclared
     assert any(rule == "extract_hidden" for _, rule in planned) == (mode == "offline")
 
 
-def undeclared_prompt_shards(planned: set) -> set:
-    """The prompt shards among `planned`: a dataset's prompts job writes every one but declares only those lost since it
-    ran (rules/data.smk), so with nothing built Snakemake's DAG has none of them."""
-    return {(path, rule) for path, rule in planned if rule.startswith("build_prompts_") and re.search(r"/\d{4,}\.parquet$", path)}
-
-
-def plans_of(workdir) -> tuple[set, set]:
-    """(path, rule) of every result, as Snakemake's own DAG has them (`--summary`) and as eyrie.plan lists them."""
+def plans_of(workdir) -> tuple[set, set, set]:
+    """(path, rule) of every result, as Snakemake's own DAG has them (`--summary`) and as eyrie.plan lists them, and
+    those of eyrie.plan's that no job declares while nothing is lost (a dataset's prompt shards: Planned.declared_through)."""
     done = subprocess.run(  # noqa: PLW1510 -- the return code is asserted below
         [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "1", "--summary"],
         capture_output=True, text=True, timeout=600,
@@ -255,13 +248,13 @@ def plans_of(workdir) -> tuple[set, set]:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("\t") for line in done.stdout.splitlines()[1:] if "\t" in line]
     snakemake_plans = {(row[0], row[2]) for row in rows if not row[0].startswith("resources/")}
-    return snakemake_plans, {(p.path, p.rule) for p in planned_outputs(cfg.load(workdir / "config.yaml"))}
+    planned = planned_outputs(cfg.load(workdir / "config.yaml"))
+    return snakemake_plans, {(p.path, p.rule) for p in planned}, {(p.path, p.rule) for p in planned if p.declared_through}
 
 
-def test_a_corrupt_prompt_shard_is_forced_through_the_summary_its_prompts_job_declares():
+def test_a_corrupt_prompt_shard_is_forced_through_the_summary_its_prompts_job_declares(workspace, config):
     """Prompt shards are not declared outputs once built (rules/common.smk), so --forcerun must name the summary."""
-    from eyrie.verify import forcerun_target
-
-    assert forcerun_target("results/prompts/sharegpt/0003.parquet") == "results/prompts/sharegpt/summary.json"
-    assert forcerun_target("results/prompts/sharegpt/heldout.parquet") == "results/prompts/sharegpt/heldout.parquet"
-    assert forcerun_target("results/tokens/sharegpt/0003.parquet") == "results/tokens/sharegpt/0003.parquet"
+    flip_bytes(workspace / "results/prompts/d/0000.parquet")
+    flip_bytes(workspace / "results/tokens/d/0000.parquet")
+    command = rebuild_command(verify_workspace(config, workspace))
+    assert command.endswith("--forcerun results/prompts/d/summary.json results/tokens/d/0000.parquet")

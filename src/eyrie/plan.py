@@ -42,6 +42,14 @@ class Planned:
     rule: str  # the rule that writes it
     inputs: tuple[str, ...] = ()  # planned files it is made from: newer ones make it stale, as they do for Snakemake
     kept: bool = True  # False: temporary (hidden.keep: false), deleted once the drafter is trained
+    # A file its job writes but declares to Snakemake only once it is lost (a dataset's prompt shards: declaring all of
+    # them made planning quadratic in the shard count): the declared output that --forcerun names to rewrite it.
+    declared_through: str | None = None
+
+    @property
+    def forcerun_target(self) -> str:
+        """What `snakemake --forcerun` must name to rewrite this file."""
+        return self.declared_through or self.path
 
 
 def model_dir(config: dict) -> str:
@@ -71,8 +79,9 @@ def planned_outputs(config: dict) -> list[Planned]:
         # A synthetic source is a file the target writes first (rules/synthetic.smk); the prompts are made from it.
         synthetic = (f"results/synthetic/{d}.parquet",) if "synthetic" in config["datasets"][d]["source"] else ()
         planned += [Planned(path, "synthesize_prompts") for path in synthetic]
-        planned += [Planned(f"results/prompts/{d}/{s}.parquet", f"build_prompts_{d}", synthetic) for s in shards[d]]
-        planned += [Planned(f"results/prompts/{d}/{name}", f"build_prompts_{d}", synthetic) for name in ("heldout.parquet", "summary.json")]
+        summary = f"results/prompts/{d}/summary.json"
+        planned += [Planned(f"results/prompts/{d}/{s}.parquet", f"build_prompts_{d}", synthetic, declared_through=summary) for s in shards[d]]
+        planned += [Planned(path, f"build_prompts_{d}", synthetic) for path in (f"results/prompts/{d}/heldout.parquet", summary)]
     for d in datasets:
         for s in shards[d]:
             completions, tokens = f"results/completions/{d}/{s}.parquet", f"results/tokens/{d}/{s}.parquet"

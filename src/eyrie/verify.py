@@ -50,6 +50,7 @@ class Finding:
     path: str
     rule: str
     detail: str = ""
+    forcerun_target: str = ""  # what `snakemake --forcerun` names to rewrite it (Planned.forcerun_target)
 
 
 @dataclass
@@ -160,7 +161,7 @@ def verify_workspace(config: dict, workdir: str | Path = ".", config_path: str |
         checked += 1
         problem = content_problem(path, item.path, quick)
         if problem:
-            findings.append(Finding(CORRUPT, item.path, item.rule, problem))
+            findings.append(Finding(CORRUPT, item.path, item.rule, problem, item.forcerun_target))
             continue
         present[item.path] = _mtime(path)
         stale = _stale(item, path, present, config, workdir)
@@ -200,15 +201,6 @@ def _unchanged_since_made(workdir: Path, output: str, input_path: str) -> bool:
     return digest.hexdigest() == recorded.removeprefix("sha256:")
 
 
-def forcerun_target(path: str) -> str:
-    """What --forcerun must name to rewrite `path`: the file itself, except a prompt shard, which its prompts job writes
-    but does not declare (rules/common.smk: only lost shards are declared); that job's summary.json is declared."""
-    parts = path.split("/")
-    if len(parts) == 4 and parts[:2] == ["results", "prompts"] and parts[3] not in ("heldout.parquet", "summary.json"):
-        return f"results/prompts/{parts[2]}/summary.json"
-    return path
-
-
 def rebuild_command(result: Verification) -> str | None:
     """The one `snakemake` command that rebuilds exactly what is missing or corrupt (and what is made from it)."""
     if result.ok:
@@ -221,7 +213,7 @@ def rebuild_command(result: Verification) -> str | None:
     # No target: the default, `rule all`, asks for every planned file, so every missing one is rebuilt. Corrupt files
     # look up to date to Snakemake: --forcerun names them (it comes last: it takes every argument after it).
     command += ["--cores", "all", "--rerun-incomplete"]
-    corrupt = list(dict.fromkeys(forcerun_target(f.path) for f in result.of(CORRUPT)))
+    corrupt = list(dict.fromkeys(f.forcerun_target or f.path for f in result.of(CORRUPT)))
     if corrupt:
         command += ["--forcerun", *corrupt]
     return shlex.join(command)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -1042,13 +1043,17 @@ def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_s
     assert last["source"] == "held-out cache samples" and 1 <= held_out < 24 and summary["samples"] == 24 - held_out
     assert last["k"] == [1, 2, 3] and min(last["per_step_accuracy"]) > 0.9, last["per_step_accuracy"]
     assert last["length"][-1] > 3.6 and last["length"][-1] > first["length"][-1] + 1, (first["length"], last["length"])
-    assert last["conditional_length"][-1] > 3.6 and last["walked_length"][-1] > 3.6
+    assert last["conditional_length"][-1] > 3.6
+    # The walk replays a decoder's rounds, which stop at each sample's end: a perfect drafter takes ceil(18 / (k + 1))
+    # rounds over a sample's 18 loss tokens, so its walked length is 18 / 5 = 3.6 at k = 3, the most there is.
+    assert last["walked_rounds"] == [held_out * math.ceil(18 / (k + 1)) for k in (1, 2, 3)]
+    assert last["walked_length"][-1] == pytest.approx(18 / 5)
     # train.keep_best (the default): the written drafter is the epoch of the best walked k=3 length, the later one on ties.
     best = max(reversed(evaluations), key=lambda e: e["walked_length"][-1])
     written = read_simulated_acceptance(tmp_path / "drafter")
     assert without_seconds(written) == without_seconds(best) == without_seconds(summary["simulated_acceptance"])
     assert log[-1]["kept"]["epoch"] == best["epoch"] == summary["kept"]["epoch"]
-    assert simulated_length(written, 3) == best["length"][2] and simulated_length(written, 4) is None
+    assert simulated_length(written, 3) == best["walked_length"][2] and simulated_length(written, 4) is None  # the walked chain first
 
 
 def test_simulated_acceptance_round_trips_through_config_json_and_old_drafters_read_none(tmp_path):
