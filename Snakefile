@@ -1,4 +1,4 @@
-# eyrie: prompts -> completions -> tokens -> (draft vocab -> hidden states -> drafter -> benchmark) -> report.html
+# eyrie: prompts -> completions -> tokens + hidden states (one job) -> draft vocab -> drafter -> benchmark -> report.html
 # Run from a project directory holding config.yaml: `snakemake --cores all report.html`.
 
 configfile: "config.yaml"

@@ -23,7 +23,7 @@ from test_recovery_e2e import content, eyrie_verify, without_timings
 pytestmark = pytest.mark.e2e
 
 # Every job kind of the pipeline, in build order; a forced rerun of one reruns it and everything after it.
-STAGES = ["build_prompts_sharegpt", "regenerate_shard", "tokenize_shard", "build_draft_vocab", "extract_hidden",
+STAGES = ["build_prompts_sharegpt", "regenerate_shard", "extract_hidden", "build_draft_vocab",
           "train_drafter", "benchmark_heldout", "write_report"]
 # One artifact of every kind, damaged in place (same size, same mtime: Snakemake cannot see it).
 DAMAGED = ["results/prompts/sharegpt/0000.parquet", "results/completions/sharegpt/0001.parquet",

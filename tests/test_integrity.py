@@ -245,7 +245,7 @@ def test_a_truncated_tokens_shard_names_the_file_and_the_job_that_rebuilds_it(tm
     shard = truncate(tokens_shard(tmp_path / "0000.parquet"))
     read = {"read_tokens": lambda: read_tokens(shard, RuntimeError), "shard_template": lambda: shard_template(shard),
             "build_draft_vocab": lambda: build_draft_vocab([str(shard)], 10, 4, str(tmp_path / "vocab.safetensors"))}[reader]
-    with pytest.raises(ArtifactError, match=rf"{shard}: not a readable Parquet file .*written by the tokenize_shard job; .*--force {shard}"):
+    with pytest.raises(ArtifactError, match=rf"{shard}: not a readable Parquet file .*written by the extract_hidden \(tokenize_shard with hidden.mode online\) job; .*--force {shard}"):
         read()
 
 
@@ -301,7 +301,7 @@ def test_every_writer_records_a_digest_its_reader_checks(tmp_path):
     with pytest.raises(DigestMismatchError, match=rf"{prompts}: its content does not match .*build_prompts_local job"):
         load_conversations(str(prompts), max_turns=1)
     flip_a_byte(tokens, 0.3)
-    with pytest.raises(DigestMismatchError, match=rf"{tokens}: its content does not match .*tokenize_shard job"):
+    with pytest.raises(DigestMismatchError, match=rf"{tokens}: its content does not match .*extract_hidden \(tokenize_shard with hidden.mode online\) job"):
         read_tokens(tokens, RuntimeError)
     flip_a_byte(vocab, 0.9)
     with pytest.raises(VocabError, match=rf"{vocab}: its content does not match .*build_draft_vocab job"):

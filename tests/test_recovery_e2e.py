@@ -60,9 +60,10 @@ def eyrie_verify(workdir: Path) -> subprocess.CompletedProcess:
 
 
 def kill_a_forced_rerun_of_tokenization(workdir: Path, tokens: list[Path]) -> None:
-    """`snakemake -R tokenize_shard`, killed as soon as Snakemake has deleted the first old token shard to rebuild it."""
+    """`snakemake -R extract_hidden` (each job tokenizes its shard first), killed as soon as Snakemake has deleted the first
+    old token shard to rebuild it."""
     process = subprocess.Popen(
-        [*SNAKEMAKE, "-d", str(workdir), "--cores", "1", "report.html", "--forcerun", "tokenize_shard"],
+        [*SNAKEMAKE, "-d", str(workdir), "--cores", "1", "report.html", "--forcerun", "extract_hidden"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     deadline = time.time() + 300

@@ -52,6 +52,12 @@ class Planned:
         return self.declared_through or self.path
 
 
+def tokens_rule(config: dict) -> str:
+    """The rule that writes token shards: extract_hidden tokenizes its shard before it extracts (one job per shard, not
+    two: a 1,000-shard DAG plans a third fewer jobs), except with hidden.mode online, where nothing is extracted."""
+    return "tokenize_shard" if config["hidden"].get("mode", "offline") == "online" else "extract_hidden"
+
+
 def model_dir(config: dict) -> str:
     """The target's HF directory: the user's own, or the one built from the GGUF wheel."""
     return config["model"]["path"] or f"resources/models/{config['model']['name']}"
@@ -86,14 +92,16 @@ def planned_outputs(config: dict) -> list[Planned]:
         for s in shards[d]:
             completions, tokens = f"results/completions/{d}/{s}.parquet", f"results/tokens/{d}/{s}.parquet"
             planned.append(Planned(completions, "regenerate_shard", (f"results/prompts/{d}/{s}.parquet",)))
-            planned.append(Planned(tokens, "tokenize_shard", (completions,)))
-    tokens = tuple(p.path for p in planned if p.rule == "tokenize_shard")
+            planned.append(Planned(tokens, tokens_rule(config), (completions,)))
+    tokens = tuple(p.path for p in planned if p.path.startswith("results/tokens/"))
     planned.append(Planned("results/vocab/draft_vocab.safetensors", "build_draft_vocab", tokens))
     if online:
         states = tokens
     else:
         hidden = tuple(f"results/hidden/{d}/{s}.safetensors" for d in datasets for s in shards[d])
-        planned += [Planned(h, "extract_hidden", (t,), kept=kept_hidden) for h, t in zip(hidden, tokens)]
+        completions = tuple(t.replace("results/tokens/", "results/completions/", 1) for t in tokens)
+        # Made in the job that writes the token shard, from the same completions.
+        planned += [Planned(h, "extract_hidden", (c,), kept=kept_hidden) for h, c in zip(hidden, completions)]
         # A temporary cache is gone once training is done: it cannot make the drafter look stale.
         states = hidden if kept_hidden else ()
     planned.append(Planned("results/drafter", "train_drafter", states + ("results/vocab/draft_vocab.safetensors",)))

@@ -223,7 +223,8 @@ def test_online_plans_no_cache_and_trains_from_the_token_shards():
     planned = planned_outputs(config)
     assert not [p for p in planned if p.rule == "extract_hidden" or p.path.startswith("results/hidden/")]
     drafter = next(p for p in planned if p.rule == "train_drafter")
-    tokens = tuple(p.path for p in planned if p.rule == "tokenize_shard")
+    tokens = tuple(p.path for p in planned if p.rule == "tokenize_shard")  # online: a tokenize job of its own per shard
+    assert len(tokens) == sum(1 for p in planned if p.path.startswith("results/tokens/"))
     assert drafter.inputs == tokens + ("results/vocab/draft_vocab.safetensors",)
 
 

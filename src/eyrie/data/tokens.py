@@ -1,7 +1,7 @@
 """The token shard FORMAT: its schema, and the one reader of its token columns.
 
-A token shard (``results/tokens/<dataset>/<shard>.parquet``, written by the tokenize job,
-eyrie.data.tokenize) holds one row per conversation: ``input_ids`` and an assistant-only
+A token shard (``results/tokens/<dataset>/<shard>.parquet``, written by the extraction job before it
+extracts, or by the tokenize job with hidden.mode online; eyrie.data.tokenize) holds one row per conversation: ``input_ids`` and an assistant-only
 ``loss_mask`` of the same length, with the chat template's fingerprint in its ``eyrie`` metadata.
 Extraction and the draft vocabulary read it through ``read_tokens`` (the content digest checked first,
 eyrie.core.digest) and ``shard_template``; a shard that cannot be read is an ArtifactError naming the
@@ -30,7 +30,9 @@ TOKENS_SCHEMA = pa.schema(
         ("truncated", pa.bool_()),
     ]
 )
-WRITTEN_BY = "tokenize_shard"  # the Snakemake rule that writes a token shard, named in read errors
+# The Snakemake rule that writes a token shard, named in read errors: extraction tokenizes its own shard (one job per
+# shard, not two); with hidden.mode online nothing is extracted and tokenize_shard writes it.
+WRITTEN_BY = "extract_hidden (tokenize_shard with hidden.mode online)"
 
 
 class TokenColumns(NamedTuple):

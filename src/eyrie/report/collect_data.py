@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eyrie.core.artifacts import ArtifactError, check, parquet_metadata, read_json
+from eyrie.data.tokens import WRITTEN_BY as TOKENS_WRITTEN_BY
 from eyrie.report.formats import fmt_num
 from eyrie.report.values import distinct, rate, share, warn
 
@@ -56,7 +57,7 @@ def read_completions(paths: Iterable[str], warnings: list) -> list[dict]:
 
 def read_tokens(paths: Iterable[str], warnings: list) -> list[dict]:
     """The token shards that can be read (see _read_shard)."""
-    return [s for p in paths if (s := _read_shard(p, TOKEN_COLUMNS, "tokens", warnings, "tokenize_shard"))]
+    return [s for p in paths if (s := _read_shard(p, TOKEN_COLUMNS, "tokens", warnings, TOKENS_WRITTEN_BY))]
 
 
 def _read_shard(path: str, columns: Iterable[str], section: str, warnings: list, written_by: str) -> dict | None:
