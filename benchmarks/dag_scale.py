@@ -1,7 +1,8 @@
 """The DAG at scale: how long `snakemake -n report.html` takes before anything runs, at 100, 1,000 and 10,000 shards.
 
-Each size is a fresh working directory holding the tiny config with one local dataset split into N shards (three
-jobs per shard: regenerate, tokenize, extract) and nothing built, so the dry run plans every job; no data is read.
+Each size is a fresh working directory holding the tiny config with one local dataset split into N shards (two jobs
+per shard: regenerate, then extract, which tokenizes first; three before 8c70d46) and nothing built, so the dry run
+plans every job; no data is read.
 Two figures per run: the whole command as a user waits for it, and the DAG alone, which is the command less
 Snakemake's start-up (`snakemake --version`, timed the same way: Python, imports, plugin discovery).
 

@@ -13,16 +13,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import SNAKEMAKE, make_workdir, snakemake
+from conftest import SNAKEMAKE, TINY_CONFIG, copy_of, make_workdir, snakemake
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, shared_resources):
-    """One complete run of the tiny config up to report.html."""
-    workdir = make_workdir(tmp_path_factory.mktemp("e2e"), shared_resources)
-    snakemake(workdir, "report.html")
+def built(tmp_path_factory, complete_run):
+    """One complete run of the tiny config up to report.html: the session's complete run (everything up to the drafter
+    is the same), taken on to the tiny config's own benchmarks (two prompts, the sweep, HumanEval and MT-bench)."""
+    workdir = copy_of(complete_run, tmp_path_factory.mktemp("e2e") / "run")
+    (workdir / "config.yaml").write_text(TINY_CONFIG.read_text())
+    done = snakemake(workdir, "report.html")
+    assert "rule regenerate_shard:" not in done.stdout + done.stderr and "rule benchmark_mtbench:" in done.stdout + done.stderr
     return workdir
 
 
