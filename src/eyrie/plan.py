@@ -88,20 +88,19 @@ def planned_outputs(config: dict) -> list[Planned]:
         summary = f"results/prompts/{d}/summary.json"
         planned += [Planned(f"results/prompts/{d}/{s}.parquet", f"build_prompts_{d}", synthetic, declared_through=summary) for s in shards[d]]
         planned += [Planned(path, f"build_prompts_{d}", synthetic) for path in (f"results/prompts/{d}/heldout.parquet", summary)]
-    for d in datasets:
-        for s in shards[d]:
-            completions, tokens = f"results/completions/{d}/{s}.parquet", f"results/tokens/{d}/{s}.parquet"
-            planned.append(Planned(completions, "regenerate_shard", (f"results/prompts/{d}/{s}.parquet",)))
-            planned.append(Planned(tokens, tokens_rule(config), (completions,)))
-    tokens = tuple(p.path for p in planned if p.path.startswith("results/tokens/"))
+    writes_tokens = tokens_rule(config)
+    per_shard = [(d, s, f"results/completions/{d}/{s}.parquet") for d in datasets for s in shards[d]]
+    for d, s, completions in per_shard:
+        planned.append(Planned(completions, "regenerate_shard", (f"results/prompts/{d}/{s}.parquet",)))
+        planned.append(Planned(f"results/tokens/{d}/{s}.parquet", writes_tokens, (completions,)))
+    tokens = tuple(f"results/tokens/{d}/{s}.parquet" for d, s, _ in per_shard)
     planned.append(Planned("results/vocab/draft_vocab.safetensors", "build_draft_vocab", tokens))
     if online:
         states = tokens
     else:
-        hidden = tuple(f"results/hidden/{d}/{s}.safetensors" for d in datasets for s in shards[d])
-        completions = tuple(t.replace("results/tokens/", "results/completions/", 1) for t in tokens)
+        hidden = tuple(f"results/hidden/{d}/{s}.safetensors" for d, s, _ in per_shard)
         # Made in the job that writes the token shard, from the same completions.
-        planned += [Planned(h, "extract_hidden", (c,), kept=kept_hidden) for h, c in zip(hidden, completions)]
+        planned += [Planned(h, "extract_hidden", (c,), kept=kept_hidden) for h, (_, _, c) in zip(hidden, per_shard)]
         # A temporary cache is gone once training is done: it cannot make the drafter look stale.
         states = hidden if kept_hidden else ()
     planned.append(Planned("results/drafter", "train_drafter", states + ("results/vocab/draft_vocab.safetensors",)))
