@@ -2,8 +2,9 @@
 
 Each case starts from a copy of one complete reference run (conftest's complete_run, which benchmarks one held-out
 prompt), injects one fault and recovers the way the README says: after a kill `snakemake --unlock && snakemake
---cores all --rerun-incomplete`; after damage, the command `eyrie verify` prints. Then every planned file must hold what the reference holds (timings aside), and `eyrie verify`
-must find nothing wrong. A damaged artifact is named by `eyrie verify` before anything reads it.
+--cores all --rerun-incomplete`; after damage, the command `eyrie verify` prints. Then every planned file must hold
+what the reference holds (timings aside), and `eyrie verify` must find nothing wrong. A damaged artifact is named by
+`eyrie verify` before anything reads it.
 """
 
 from __future__ import annotations
