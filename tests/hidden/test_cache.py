@@ -398,6 +398,31 @@ def test_trainer_reads_fp8_and_bf16_caches_as_stored(caches):
             assert not batch["aux"][row, n:].any()
 
 
+
+def test_trainer_loads_rows_as_stored_and_converts_them_on_the_device(caches):
+    """HiddenCache.load (training's background read) copies the stored bytes, fp8 with its scales; to_device then
+    gives what dequantizing on the host gave, in float32 and in bf16, also for a batch over an fp8 and a bf16 shard."""
+    from eyrie.hidden.cache import read_state_rows
+    from eyrie.training.inputs import HiddenCache
+
+    fp8_tensors, _, fp8_path = caches["fp8"]
+    bf16_tensors, _, bf16_path = caches["bf16"]
+    cache = HiddenCache([str(fp8_path), str(bf16_path)])
+    fp8_refs = [(0, a, b - a) for a, b in spans(fp8_tensors)]
+    loaded = cache.load(fp8_refs)
+    assert loaded.aux.dtype == loaded.final.dtype == torch.float8_e4m3fn
+    assert loaded.aux_scale.shape[-1] == 3 and loaded.final_scale.shape[-1] == 1
+    assert cache.load([(1, a, b - a) for a, b in spans(bf16_tensors)]).aux.dtype == torch.bfloat16
+    mixed = fp8_refs[:2] + [(1, a, b - a) for a, b in spans(bf16_tensors)][:2]
+    for refs in (fp8_refs, mixed):
+        for dtype in (torch.float32, torch.bfloat16):
+            batch = cache.batch(refs, "cpu", dtype=dtype)
+            for row, (s, a, n) in enumerate(refs):
+                for key, name in (("aux", "aux_hidden"), ("final", "final_hidden")):
+                    host = read_state_rows(cache._handles[s], name, a, a + n, cache.fp8[s]).to(dtype)
+                    assert batch[key].dtype == dtype and torch.equal(batch[key][row, :n], host), (key, row, dtype)
+                    assert not batch[key][row, n:].any()
+
 def test_convert_cache_to_fp8_matches_extraction(caches, tmp_path):
     """A bf16/fp32 cache re-stored as fp8 (cache_precision benchmark) uses the extraction's quantizer."""
     from eyrie.hidden.cache import convert_cache

@@ -23,8 +23,8 @@ from eyrie.core.digest import file_digest
 from eyrie.core.errors import EyrieError
 from eyrie.data.vocab import VocabError, load_draft_vocab
 from eyrie.drafter.model import DrafterShape
-from eyrie.hidden.cache import DIGEST, WRITTEN_BY, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
-from eyrie.hidden.fp8 import FP8_NAME
+from eyrie.hidden.cache import DIGEST, SCALES, WRITTEN_BY, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
+from eyrie.hidden.fp8 import FP8_NAME, SCALE_DTYPE, dequantize_blocks
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.target.head import target_text_config
 from eyrie.training.errors import TrainingInputError
@@ -105,9 +105,18 @@ class StateSource:
         """Raise unless the source fits this target, template and layer set; returns the aux layer ids its states are of."""
         raise NotImplementedError
 
+    def load(self, refs: list[Sample]) -> Any:
+        """The host's share of batch(refs): reading and padding, no device work, so training can run it in a
+        background thread while the previous step computes (by default nothing: to_device does it all)."""
+        return refs
+
+    def to_device(self, loaded: Any, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """batch()'s result from what load() returned."""
+        raise NotImplementedError
+
     def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype), input_ids, loss_mask [B, L], lengths [B]."""
-        raise NotImplementedError
+        return self.to_device(self.load(refs), device, dtype)
 
     def non_finite(self, refs: list[Sample]) -> list[Sample]:
         """The refs whose states (aux or final) hold a NaN or an infinity."""
@@ -215,19 +224,63 @@ class HiddenCache(StateSource):
     def not_finite_cause(self, path: str, ids: list[str]) -> str:
         return f"the cached states of {', '.join(ids)} in {path} are not finite: the cache is corrupt, {rebuild_hint(WRITTEN_BY, path)}"
 
-    def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
-        """Padded tensors for these samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized), input_ids, loss_mask [B, L], lengths [B]."""
+    def load(self, refs: list[Sample]) -> StoredRows:
+        """These samples' rows as stored (fp8 with their scales, or bf16), zero-padded to [B, L, width]: a copy of
+        bytes, with no conversion on the host (dequantizing 16K tokens of fp8 there took longer than the step)."""
         ids, mask, lengths = self.tokens(refs)
-        B, L = ids.shape
-        aux_w, final_w = self.widths[refs[0][0]]
-        aux = torch.zeros(B, L, aux_w, dtype=dtype)
-        final = torch.zeros(B, L, final_w, dtype=dtype)
-        for row, (s, a, n) in enumerate(refs):
-            f = self._handles[s]
-            aux[row, :n] = read_state_rows(f, "aux_hidden", a, a + n, self.fp8[s]).to(dtype)
-            final[row, :n] = read_state_rows(f, "final_hidden", a, a + n, self.fp8[s]).to(dtype)
-        return padded_batch(aux, final, ids, mask, lengths, device)
+        L = ids.shape[1]
+        handles = [(self._handles[s], a, n, self.fp8[s]) for s, a, n in refs]
+        stored = {bool(self.fp8[s]) for s, _, _ in refs}
+        if len(stored) > 1:  # shards stored in different dtypes: one float32 batch, dequantized here
+            rows = {name: _padded([read_state_rows(f, name, a, a + n, fp8) for f, a, n, fp8 in handles], L, torch.float32)
+                    for name in ("aux_hidden", "final_hidden")}
+            return StoredRows(ids, mask, lengths, rows["aux_hidden"], rows["final_hidden"])
+        fp8 = stored.pop()
+        aux = [f.get_slice("aux_hidden")[a : a + n] for f, a, n, _ in handles]
+        final = [f.get_slice("final_hidden")[a : a + n] for f, a, n, _ in handles]
+        loaded = StoredRows(ids, mask, lengths, _padded(aux, L, aux[0].dtype), _padded(final, L, final[0].dtype))
+        if fp8:
+            loaded.aux_scale = _padded([f.get_slice(SCALES["aux_hidden"][0])[a : a + n] for f, a, n, _ in handles], L, SCALE_DTYPE)
+            loaded.final_scale = _padded([f.get_slice(SCALES["final_hidden"][0])[a : a + n] for f, a, n, _ in handles], L, SCALE_DTYPE)
+        return loaded
 
+    def to_device(self, loaded: StoredRows, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Padded tensors for the loaded samples: aux [B, L, 3H], final [B, L, H] (in dtype, fp8 dequantized on device),
+        input_ids, loss_mask [B, L], lengths [B]."""
+        aux = _on_device(loaded.aux, loaded.aux_scale, device, dtype)
+        final = _on_device(loaded.final, loaded.final_scale, device, dtype)
+        return padded_batch(aux, final, loaded.ids, loaded.mask, loaded.lengths, device)
+
+
+@dataclass
+class StoredRows:
+    """A batch as HiddenCache.load reads it: token tensors [B, L], lengths [B], and the states as stored, zero-padded."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    aux: torch.Tensor  # [B, L, 3H]: float8_e4m3fn, bfloat16 or float32
+    final: torch.Tensor  # [B, L, H]
+    aux_scale: torch.Tensor | None = None  # [B, L, 3] float32 for fp8 rows (eyrie.hidden.fp8's blocks)
+    final_scale: torch.Tensor | None = None  # [B, L, 1]
+
+
+def _padded(rows: list[torch.Tensor], L: int, dtype) -> torch.Tensor:
+    """[B, L, width] in dtype from B row blocks [n_b, width], zeros after each block's end."""
+    out = torch.zeros(len(rows), L, rows[0].shape[-1], dtype=dtype)
+    for b, block in enumerate(rows):
+        out[b, : block.shape[0]] = block
+    return out
+
+
+def _on_device(stored: torch.Tensor, scale: torch.Tensor | None, device, dtype) -> torch.Tensor:
+    """Stored rows moved as they are (a quarter of float32's bytes for fp8) and converted there, as read_state_rows
+    converts on the host: float32 (times the block scales for fp8), then dtype. Padding stays zero (scale 0)."""
+    B, L, width = stored.shape
+    rows = stored.to(device).float()
+    if scale is not None:
+        rows = dequantize_blocks(rows.reshape(B * L, width), scale.to(device).reshape(B * L, -1)).reshape(B, L, width)
+    return rows.to(dtype)
 
 def _open(path: str):
     from safetensors import safe_open

@@ -101,8 +101,8 @@ class OnlineStates(StateSource):
             stored = encode_rows(aux, final, self.storage)
         return keep, stored["aux_hidden"].float(), stored["final_hidden"].float()
 
-    def batch(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
-        """What HiddenCache.batch returns for these refs: aux [B, L, 3H], final [B, L, H] (in dtype, zero padding),
+    def to_device(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """What HiddenCache.batch returns for these refs (load() passes them through: the states come from the device): aux [B, L, 3H], final [B, L, H] (in dtype, zero padding),
         input_ids, loss_mask [B, L], lengths [B]."""
         ids, mask, lengths = self.tokens(refs)
         B, L = ids.shape

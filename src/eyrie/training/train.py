@@ -23,6 +23,7 @@ atomically.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -33,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from eyrie.core.ahead import loaded_ahead
 from eyrie.core.errors import EyrieError
 from eyrie.core.schema import with_defaults
 from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
@@ -268,56 +270,63 @@ def _train_steps(
     compile_fallback = None
     last_save = time.perf_counter()
     trainer.model.train()
-    for step in range(record.step, run.total_steps):
-        t0 = time.perf_counter()
+    states = run.inputs.states
+
+    def load(step: int):  # in a background thread, while the step before computes
         epoch, index = divmod(step, run.steps_per_epoch)
         whole = batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]]
         refs, weight = rank_share(whole, ranks.rank, ranks.world)
-        batch = run.inputs.states.batch(refs, ranks.device, dtype=run.frozen_dtype)
-        if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
-            add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
-        batch["weight"] = weight
-        lr = learning_rate(step, run.total_steps, base_lr, warmup_ratio, schedule)
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = lr
-        result = train_step(
-            trainer.objective, trainer.optimizer, batch, target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
-            t2d=trainer.t2d, max_grad_norm=float(cfg["max_grad_norm"]), use_bf16=run.use_bf16,
-        )
-        del batch
-        if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):  # the same figures on every rank
-            raise NonFiniteError(_non_finite_message(run, step + 1, whole, result))
-        elapsed = time.perf_counter() - t0
-        if compiled is not None and compiled.error is not None and compile_fallback is None:
-            compile_fallback = {"step": step + 1, "error": compiled.error}
-            say(f"train: train.compile failed in step {step + 1}; training goes on eagerly (the same training at eager speed): {compiled.error}")
-        done = record.step = step + 1
-        record.tokens += result["tokens"]
-        record.seconds += elapsed
-        add_step(record.window, result, elapsed)
+        return epoch, whole, refs, weight, states.load(refs)
 
-        epoch_end = done % run.steps_per_epoch == 0 or done == run.total_steps
-        # Outside the step's time; every rank takes part (each simulates whole batches, the counts are all-reduced).
-        evaluation = _simulate(run, trainer, done) if epoch_end else None
-        if evaluation is not None:
-            record.pending_eval.append(evaluation)
-            _consider(run, trainer, record, evaluation)
-        if done % int(cfg["log_every"]) == 0 or done == run.total_steps:
-            entry = log_entry(record.window, done, run.steps_per_epoch, lr, run.ttt_steps)
-            if compiled is not None:  # False once compiling failed and the steps run eagerly
-                entry["compiled"] = compiled.active
-            if record.pending_eval:  # the epochs that ended since the last entry (usually this step's one)
-                entry["eval"], record.pending_eval = record.pending_eval, []
-            record.log.append(entry)
-            say(log_line(entry, run.ttt_steps))
-            record.window = new_window(run.ttt_steps)
-        if evaluation is not None:
-            say(acceptance_line(evaluation))
-        if ranks.rank == 0 and (epoch_end or done % save_every_steps == 0 or time.perf_counter() - last_save >= save_every_seconds):
-            save()
-            last_save = time.perf_counter()
-        if on_step is not None:
-            on_step(done)
+    with contextlib.closing(loaded_ahead(load, range(record.step, run.total_steps))) as loads:
+        for step in range(record.step, run.total_steps):
+            t0 = time.perf_counter()
+            epoch, whole, refs, weight, loaded = next(loads)
+            batch = states.to_device(loaded, ranks.device, dtype=run.frozen_dtype)
+            if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
+                add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
+            batch["weight"] = weight
+            lr = learning_rate(step, run.total_steps, base_lr, warmup_ratio, schedule)
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lr
+            result = train_step(
+                trainer.objective, trainer.optimizer, batch, target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
+                t2d=trainer.t2d, max_grad_norm=float(cfg["max_grad_norm"]), use_bf16=run.use_bf16,
+            )
+            del batch
+            if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):  # the same figures on every rank
+                raise NonFiniteError(_non_finite_message(run, step + 1, whole, result))
+            elapsed = time.perf_counter() - t0
+            if compiled is not None and compiled.error is not None and compile_fallback is None:
+                compile_fallback = {"step": step + 1, "error": compiled.error}
+                say(f"train: train.compile failed in step {step + 1}; training goes on eagerly (the same training at eager speed): {compiled.error}")
+            done = record.step = step + 1
+            record.tokens += result["tokens"]
+            record.seconds += elapsed
+            add_step(record.window, result, elapsed)
+
+            epoch_end = done % run.steps_per_epoch == 0 or done == run.total_steps
+            # Outside the step's time; every rank takes part (each simulates whole batches, the counts are all-reduced).
+            evaluation = _simulate(run, trainer, done) if epoch_end else None
+            if evaluation is not None:
+                record.pending_eval.append(evaluation)
+                _consider(run, trainer, record, evaluation)
+            if done % int(cfg["log_every"]) == 0 or done == run.total_steps:
+                entry = log_entry(record.window, done, run.steps_per_epoch, lr, run.ttt_steps)
+                if compiled is not None:  # False once compiling failed and the steps run eagerly
+                    entry["compiled"] = compiled.active
+                if record.pending_eval:  # the epochs that ended since the last entry (usually this step's one)
+                    entry["eval"], record.pending_eval = record.pending_eval, []
+                record.log.append(entry)
+                say(log_line(entry, run.ttt_steps))
+                record.window = new_window(run.ttt_steps)
+            if evaluation is not None:
+                say(acceptance_line(evaluation))
+            if ranks.rank == 0 and (epoch_end or done % save_every_steps == 0 or time.perf_counter() - last_save >= save_every_seconds):
+                save()
+                last_save = time.perf_counter()
+            if on_step is not None:
+                on_step(done)
     return compile_fallback
 
 
