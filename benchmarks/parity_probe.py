@@ -9,6 +9,10 @@ runs training's own simulation (eyrie.training.acceptance.batch_counts) on the d
 target's states computed as extraction computes them, and prints both per position.
 
     python benchmarks/parity_probe.py --workdir <pipeline dir> --dataset sharegpt --prompts 4 --max-new-tokens 128
+
+--second-turn also answers each prompt's second user turn after the target's own first reply (as regeneration
+builds a two-turn sample) and reports both turns apart: the benchmark serves first turns only, while the held-out
+cache samples that training predicts from hold both.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--any-template", action="store_true", help="skip the check that the target's template is the drafter's")
+    parser.add_argument("--second-turn", action="store_true", help="also serve each prompt's second user turn and report the turns apart")
     args = parser.parse_args()
     work = Path(args.workdir)
     target_dir = args.model or str(next((work / "resources" / "models").iterdir()))
@@ -78,17 +83,42 @@ def main() -> None:
     prompts = load_heldout_prompts(work / "results" / "prompts" / args.dataset / "heldout.parquet", args.prompts)
     encoded = [tokenizer(render(tokenizer, first_turn(p), add_generation_prompt=True), add_special_tokens=False)["input_ids"] for p in prompts]
     runs = served(model, drafter, encoded, args.max_new_tokens, stop_ids_of(model, tokenizer), args.k)
-    rounds = sum(r.rounds for _, _, r in runs)
-    served_rate = [sum(r.accepted_per_position[j] for _, _, r in runs) / rounds for j in range(args.k)]
-    served_length = sum(sum(r.acceptance_lengths) for _, _, r in runs) / rounds
-    sim = simulated(model, drafter, [(p, t) for p, t, _ in runs], args.k)
     recorded = json.loads((work / "results" / "drafter" / "config.json").read_text()).get("eyrie", {}).get("simulated_acceptance", {})
-    print(json.dumps({
-        "served": {"length": served_length, "rate_per_position": served_rate, "rounds": rounds},
-        "simulated_on_served_tokens": {k: sim[k] for k in ("length", "conditional_length", "walked_length", "walked_rounds", "per_step_accuracy", "conditional_accuracy", "positions_per_step")},
-        "training_prediction": {k: recorded.get(k) for k in ("length", "conditional_length", "walked_length", "per_step_accuracy")},
-    }, indent=1))
+    out = {"first turn": compared(model, drafter, runs, args.k)}
+    if args.second_turn:
+        seconds = second_turns(tokenizer, prompts, runs)
+        later = served(model, drafter, seconds, args.max_new_tokens, stop_ids_of(model, tokenizer), args.k)
+        out["second turn"] = compared(model, drafter, later, args.k)
+        out["both turns"] = compared(model, drafter, runs + later, args.k)
+    out["training_prediction"] = {k: recorded.get(k) for k in ("length", "conditional_length", "walked_length", "walked_first_turn_length", "per_step_accuracy")}
+    print(json.dumps(out, indent=1))
 
+
+def compared(model, drafter, runs, k: int) -> dict:
+    """The served chain's acceptance over these runs beside training's simulation on the same tokens."""
+    rounds = sum(r.rounds for _, _, r in runs)
+    sim = simulated(model, drafter, [(p, t) for p, t, _ in runs], k)
+    return {
+        "served": {"length": sum(sum(r.acceptance_lengths) for _, _, r in runs) / rounds, "rounds": rounds, "prompts": len(runs),
+                   "rate_per_position": [sum(r.accepted_per_position[j] for _, _, r in runs) / rounds for j in range(k)]},
+        "simulated_on_served_tokens": {key: sim[key] for key in ("length", "conditional_length", "walked_length", "walked_rounds",
+                                                                  "per_step_accuracy", "conditional_accuracy", "positions_per_step")},
+    }
+
+
+def second_turns(tokenizer, prompts: list[dict], firsts) -> list[list[int]]:
+    """For each prompt with a second user turn: the conversation up to it, encoded, after the target's own first reply."""
+    encoded = []
+    for prompt, (_, reply, _) in zip(prompts, firsts):
+        users = [m for m in prompt["messages"] if m["role"] == "user"]
+        if len(users) < 2:
+            continue
+        messages = first_turn(prompt) + [
+            {"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)},
+            {"role": "user", "content": users[1]["content"]},
+        ]
+        encoded.append(tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    return encoded
 
 if __name__ == "__main__":
     main()

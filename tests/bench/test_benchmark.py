@@ -375,6 +375,21 @@ def test_parity_compares_with_the_conditional_chain_and_fails_a_gap_with_the_usu
     assert parity(tmp_path / "drafter", 1.5, 5, 0.15, gated=True)["simulated"] is None  # k beyond the trained steps
 
 
+
+def test_parity_prefers_the_first_turn_walk_then_the_walk_over_every_turn(tmp_path):
+    """The benchmark serves first user turns: the first-turn walk is its yardstick; drafters trained before it fall back."""
+    from eyrie.bench.parity import parity
+
+    walked = {**SUMMARY, "walked_length": [1.7, 2.2, 2.5]}
+    write_drafter_config(tmp_path / "walked", walked)
+    block = parity(tmp_path / "walked", 1.9, 2, 0.15, gated=True)
+    assert (block["form"], block["simulated"]) == ("walked_length", 2.2)
+    write_drafter_config(tmp_path / "first", {**walked, "walked_first_turn_length": [1.6, 1.95, 2.1]})
+    block = parity(tmp_path / "first", 1.9, 2, 0.15, gated=True)
+    assert (block["form"], block["simulated"]) == ("walked_first_turn_length", 1.95) and block["error"] is None
+    write_drafter_config(tmp_path / "unmeasured", {**walked, "walked_first_turn_length": [None, None, None]})
+    assert parity(tmp_path / "unmeasured", 1.9, 2, 0.15, gated=True)["form"] == "walked_length"
+
 @pytest.mark.parametrize(
     "summary_change, max_gap, gated, reason",
     [

@@ -523,7 +523,7 @@ def test_full_report_puts_the_measured_acceptance_beside_trainings_prediction(fu
     section = full_html.split('<section id="bench">')[1]
     sharegpt = section.split('id="bench-1"')[1].split('id="bench-2"')[0]
     assert ("Train-to-serve parity: measured acceptance length <strong>2.37</strong> against <strong>2.60</strong> predicted by "
-            "training (its decoder&#39;s rounds replayed) for k = 4 on 12 held-out cache samples: 8.8% below the prediction "
+            "training (its decoder&#39;s rounds replayed over every turn) for k = 4 on 12 held-out cache samples: 8.8% below the prediction "
             "(the benchmark fails beyond 15.0%)") in sharegpt
     humaneval = section.split('id="bench-2"')[1].split('id="bench-3"')[0]
     assert "Train-to-serve parity" not in humaneval  # its JSON predates the gate

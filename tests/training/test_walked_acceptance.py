@@ -13,7 +13,7 @@ from eyrie.decoding.decode import speculative_decode
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.target.states import TargetStates
-from eyrie.training.acceptance import ROUNDS, ROWS, acceptance_summary, batch_counts, walk_rounds
+from eyrie.training.acceptance import EMITTED, FIRST_EMITTED, FIRST_ROUNDS, ROUNDS, ROWS, acceptance_summary, batch_counts, first_reply, walk_rounds
 from eyrie.training.inputs import padded_batch
 
 
@@ -45,6 +45,15 @@ def test_summary_reports_walked_length_per_k():
     assert summary["walked_length"] == pytest.approx([9 / 5, 9 / 4]) and summary["walked_rounds"] == [5, 4]
     # Records of four rows (before the walk existed) still read, without a walked length.
     assert acceptance_summary(totals[:4], source="x", samples=1)["walked_length"] == [None, None]
+    # Records of six rows (before the first-turn walk) read without it.
+    assert acceptance_summary(totals, source="x", samples=1)["walked_first_turn_length"] == [None, None]
+    first = acceptance_summary(totals + [[2, 2], [3, 5]], source="x", samples=1)
+    assert first["walked_first_turn_length"] == pytest.approx([3 / 2, 5 / 2]) and first["walked_first_turn_rounds"] == [2, 2]
+
+
+def test_first_reply_is_each_rows_first_run_of_loss_positions():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1], [1, 1, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert first_reply(mask).int().tolist() == [[0, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0] * 7, [0, 0, 1, 1, 1, 1, 1]]
 
 
 def tiny_target(seed: int = 0):
@@ -101,3 +110,38 @@ def test_walked_length_equals_the_served_chain_on_the_same_tokens(k):
     if k > 1:  # the per-position form overestimates the chain (1.52 against 1.39 served at k = 3)
         assert abs(walked - served_length) < conditional - served_length, (walked, conditional, served_length)
     assert 1.15 < emitted / rounds  # drafts do hit: the comparison is not between two trivial 1.0s
+
+
+def counts_on(model, drafter, ids: list[int], replies: list[tuple[int, int]], k: int) -> torch.Tensor:
+    """batch_counts of one sample whose loss mask covers the given [start, stop) replies, states as extraction computes them."""
+    capture = capture_indices(list(drafter.shape.aux_layer_ids), model.config.num_hidden_layers)
+    V = model.config.vocab_size
+    t = torch.tensor([ids])
+    with torch.no_grad(), TargetStates(model, capture) as target:
+        aux, final = target.states(t, torch.arange(t.shape[1]))
+    mask = torch.zeros_like(t, dtype=torch.bool)
+    for a, b in replies:
+        mask[0, a:b] = True
+    batch = padded_batch(aux[None], final[None], t, mask, torch.tensor([t.shape[1]]), "cpu")
+    return batch_counts(drafter, batch, target_lm_head=model.lm_head.weight.detach(), draft_ids=torch.arange(V), t2d=drafter.t2d,
+                        steps=k, attention="eager", use_bf16=False)
+
+
+def test_the_first_turn_walk_of_a_two_turn_sample_is_the_walk_of_its_first_reply_alone():
+    """A cached sample holds both replies of a conversation; the benchmark serves first turns. The first-turn rows
+    count exactly what the first reply alone would (the target is causal and no round crosses a user turn), and
+    the all-turn rows add the second reply's rounds."""
+    model = tiny_target()
+    drafter = random_drafter(model)
+    k = 3
+    prompt = [1, 2, 3, 0, 0, 2]
+    first = speculative_decode(model, drafter, prompt, 30, set(), k).tokens
+    user = [3, 1, 1]
+    context = prompt + first + user
+    second = speculative_decode(model, drafter, context, 30, set(), k).tokens
+    both = counts_on(model, drafter, context + second, [(len(prompt), len(prompt) + len(first)), (len(context), len(context) + len(second))], k)
+    alone = counts_on(model, drafter, prompt + first, [(len(prompt), len(prompt) + len(first))], k)
+    later = counts_on(model, drafter, context + second, [(len(context), len(context) + len(second))], k)
+    assert torch.equal(both[FIRST_ROUNDS], alone[ROUNDS]) and torch.equal(both[FIRST_EMITTED], alone[EMITTED])
+    assert torch.equal(both[ROUNDS], alone[ROUNDS] + later[ROUNDS]) and torch.equal(both[EMITTED], alone[EMITTED] + later[EMITTED])
+    assert int(later[ROUNDS, k - 1]) > 0 and torch.equal(later[FIRST_ROUNDS], later[ROUNDS])  # one reply: its first turn is all of it

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.drafter.checkpoint import predicted_lengths, read_simulated_acceptance
+from eyrie.drafter.checkpoint import first_turn_prediction, read_simulated_acceptance
 
 HELD_OUT = "held-out cache samples"  # the source training names for its held-out split
 MIN_JUDGED_SAMPLES = 8  # fewer held-out samples make too noisy a prediction to fail a run on
@@ -36,8 +36,9 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
 
     gated: the prompts are held out of the training datasets (the benchmark's own datasets), so a gap can be judged.
 
-    The prediction is training's walked chain length (a decoder's rounds replayed along the held-out cache
-    samples), else, for drafters trained before it, the conditional or product form (both per position, and
+    The prediction is training's walked chain length over the first assistant reply of each held-out cache
+    sample (a decoder's rounds replayed there: the benchmark serves first turns too), else, for drafters trained
+    before it, the walked length over every turn, the conditional or the product form (both per position, and
     optimistic: eyrie.training.acceptance). No drafter directory (an in-memory drafter),
     a drafter trained before training recorded it, or k beyond the trained steps: nothing to compare.
     """
@@ -47,7 +48,7 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
     if summary is None or k not in summary["k"]:
         return block
     index = summary["k"].index(k)
-    form, lengths = predicted_lengths(summary)
+    form, lengths = first_turn_prediction(summary)
     simulated = lengths[index]
     block.update(simulated=simulated, form=form, source=summary.get("source"), eval_samples=summary.get("eval_samples"))
     if simulated is None or measured is None:

@@ -39,7 +39,7 @@ from eyrie.target.aux_layers import AuxLayerError, sglang_version_caveat, vllm_l
 
 SIMULATED_ACCEPTANCE = "simulated_acceptance"  # the key under config.json's eyrie block
 _ACCEPTANCE_LISTS = ("length", "per_step_accuracy")  # one entry per k, a number or null (no positions to measure)
-_OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length", "walked_length")
+_OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length", "walked_length", "walked_first_turn_length")
 # Training's forms of the prediction, the one nearest to what a decoder gets first (eyrie.training.acceptance).
 PREDICTION_FORMS = ("walked_length", "conditional_length", "length")
 READABLE_DIRECTORY = 0o755  # the drafter directory itself: listable by a server under another account
@@ -240,6 +240,15 @@ def predicted_lengths(summary: dict) -> tuple[str, list]:
         if values and any(v is not None for v in values):
             return form, values
     return "length", summary["length"]
+
+
+def first_turn_prediction(summary: dict) -> tuple[str, list]:
+    """(form, lengths per k) to set beside a benchmark that serves first user turns: the walked chain over each held-out
+    sample's first assistant reply where training recorded it, else predicted_lengths' (every turn)."""
+    values = summary.get("walked_first_turn_length")
+    if values and any(v is not None for v in values):
+        return "walked_first_turn_length", values
+    return predicted_lengths(summary)
 
 
 def simulated_length(summary: dict | None, k: int) -> float | None:
