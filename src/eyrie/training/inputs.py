@@ -226,7 +226,8 @@ class HiddenCache(StateSource):
 
     def load(self, refs: list[Sample]) -> StoredRows:
         """These samples' rows as stored (fp8 with their scales, or bf16), zero-padded to [B, L, width]: a copy of
-        bytes, with no conversion on the host (dequantizing 16K tokens of fp8 there took longer than the step)."""
+        bytes, with no conversion on the host (dequantizing 16K tokens of fp8 there took 431 ms on 2 cores, against
+        ~200 ms for a whole training step on an H200)."""
         ids, mask, lengths = self.tokens(refs)
         L = ids.shape[1]
         handles = [(self._handles[s], a, n, self.fp8[s]) for s, a, n in refs]
@@ -281,6 +282,7 @@ def _on_device(stored: torch.Tensor, scale: torch.Tensor | None, device, dtype) 
     if scale is not None:
         rows = dequantize_blocks(rows.reshape(B * L, width), scale.to(device).reshape(B * L, -1)).reshape(B, L, width)
     return rows.to(dtype)
+
 
 def _open(path: str):
     from safetensors import safe_open
