@@ -90,7 +90,8 @@ def main() -> None:
         later = served(model, drafter, seconds, args.max_new_tokens, stop_ids_of(model, tokenizer), args.k)
         out["second turn"] = compared(model, drafter, later, args.k)
         out["both turns"] = compared(model, drafter, runs + later, args.k)
-    out["training_prediction"] = {k: recorded.get(k) for k in ("length", "conditional_length", "walked_length", "walked_first_turn_length", "per_step_accuracy")}
+    forms = ("length", "conditional_length", "walked_length", "walked_first_turn_length", "per_step_accuracy")
+    out["training_prediction"] = {k: recorded.get(k) for k in forms}
     print(json.dumps(out, indent=1))
 
 

@@ -140,7 +140,8 @@ def main() -> int:
             runs["stored_ahead_over_host_dequant"] = new / old
             runs["stored_ahead_over_ceiling"] = new / ceiling
             runs["host_dequant_over_ceiling"] = old / ceiling
-            print(f"{label}: stored, ahead / host dequant = {new / old:.2f}x; of the ceiling: {new / ceiling:.1%} (was {old / ceiling:.1%})", flush=True)
+            print(f"{label}: stored, ahead / host dequant = {new / old:.2f}x; of the ceiling: {new / ceiling:.1%} "
+                  f"(was {old / ceiling:.1%})", flush=True)
             results[label] = runs
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

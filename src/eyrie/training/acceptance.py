@@ -179,6 +179,7 @@ def acceptance_line(result: dict) -> str:
     return (
         f"eval epoch {result['epoch']:g}: simulated acceptance (k=1..{len(result['k'])}) {figures(result['length'], 2)}; "
         f"conditional {figures(result['conditional_length'], 2)}; walked {figures(result.get('walked_length') or [], 2)}; "
-        f"walked over first replies {figures(result.get('walked_first_turn_length') or [], 2)}; step accuracy {figures(result['per_step_accuracy'], 3)} "
+        f"walked over first replies {figures(result.get('walked_first_turn_length') or [], 2)}; "
+        f"step accuracy {figures(result['per_step_accuracy'], 3)} "
         f"({result['eval_samples']} {result['source']})"
     )

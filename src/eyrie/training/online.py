@@ -102,8 +102,8 @@ class OnlineStates(StateSource):
         return keep, stored["aux_hidden"].float(), stored["final_hidden"].float()
 
     def to_device(self, refs: list[Sample], device, dtype=torch.float32) -> dict[str, torch.Tensor]:
-        """What HiddenCache.batch returns for these refs (load() passes them through: the states come from the device): aux [B, L, 3H], final [B, L, H] (in dtype, zero padding),
-        input_ids, loss_mask [B, L], lengths [B]."""
+        """What HiddenCache.batch returns for these refs (load() passes them through: the states come from the device):
+        aux [B, L, 3H], final [B, L, H] (in dtype, zero padding), input_ids, loss_mask [B, L], lengths [B]."""
         ids, mask, lengths = self.tokens(refs)
         B, L = ids.shape
         keep, aux_rows, final_rows = self._rows(ids, lengths, device)
