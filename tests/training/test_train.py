@@ -347,6 +347,28 @@ def test_resume_continues_and_ends_with_the_same_weights(tmp_path):
     assert again["resumed_from_step"] == 0
 
 
+def test_a_wider_mlp_is_trained_written_and_loaded_at_its_own_width(tmp_path):
+    """drafter.intermediate_size widens the draft layer's MLP; the config.json SGLang and vLLM build the layer from carries
+    the width, and the loader builds the same drafter from it."""
+    from eyrie.drafter.checkpoint import load_drafter
+
+    V = 96
+    inputs = tiny_setup(tmp_path, samples=random_samples(3, 24, V, seed=4), V=V)
+    run(tmp_path, inputs, drafter={"intermediate_size": 96}, train={"batch_tokens": 48})
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["intermediate_size"] == 96  # the target's is 64
+    tensors = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert tensors["midlayer.mlp.gate_proj.weight"].shape == (96, 32) and tensors["midlayer.mlp.down_proj.weight"].shape == (32, 96)
+    embeddings = load_file(str(tmp_path / "target" / "model.safetensors"))["model.embed_tokens.weight"]
+    loaded = load_drafter(tmp_path / "drafter", embeddings)
+    assert loaded.shape.intermediate_size == 96
+    assert torch.equal(loaded.midlayer.mlp.up_proj.weight.to(tensors["midlayer.mlp.up_proj.weight"].dtype), tensors["midlayer.mlp.up_proj.weight"])
+
+    # The width is part of the run's identity: the default width does not resume the wider run's state.
+    assert json.loads((tmp_path / "drafter.state" / "state.json").read_text())["step"] > 0
+    assert run(tmp_path, inputs, train={"batch_tokens": 48})["resumed_from_step"] == 0
+
+
 def test_only_draft_vocab_argmax_positions_are_trained(tmp_path):
     V = 120
     inputs = tiny_setup(tmp_path, V=V, draft_ids=range(0, V, 2))  # half of the target vocab

@@ -64,14 +64,16 @@ class DrafterShape:
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int], *, norm_before_fc: bool = False,
-                    norm_output: bool = False) -> "DrafterShape":
+                    norm_output: bool = False, intermediate_size: int | None = None) -> "DrafterShape":
+        """intermediate_size: the draft layer's MLP width; None takes the target's. Only the drafter's own config.json
+        carries it, so a wider MLP is served as trained (SGLang and vLLM build the draft layer from that file)."""
         rope = getattr(target_config, "rope_parameters", None) or {}
         rope_theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
         heads = target_config.num_attention_heads
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            intermediate_size=int(intermediate_size or target_config.intermediate_size),
             num_attention_heads=heads,
             num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
             head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,

@@ -341,7 +341,7 @@ def read_inputs(
         drafter_cfg=drafter_cfg, template_sha256=template_sha256, target_fingerprint=target_fingerprint,
     )
     shape = DrafterShape.from_target(target_config, int(d2t.numel()), aux_ids, norm_before_fc=bool(drafter_cfg.get("norm_before_fc", False)),
-                                     norm_output=bool(drafter_cfg.get("norm_output", False)))
+                                     norm_output=bool(drafter_cfg.get("norm_output", False)), intermediate_size=drafter_cfg.get("intermediate_size"))
     samples, truncated, skipped = states.samples(batch_tokens)
     if not samples:
         raise TrainingInputError(

@@ -250,6 +250,8 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
         + (", the target's states computed here for each batch (hidden.mode online)" if isinstance(inputs.states, OnlineStates) else "")
         + "".join(f", drafter.{flag}" for flag in ("norm_before_fc", "norm_output") if getattr(inputs.shape, flag))
+        + (f", MLP width {inputs.shape.intermediate_size} (the target's {inputs.target_config.intermediate_size})"
+           if inputs.shape.intermediate_size != inputs.target_config.intermediate_size else "")
         + (f"; {inputs.truncated} samples truncated to {batch_tokens} tokens" if inputs.truncated else "")
         + (f"; {inputs.skipped} samples skipped (nothing to train)" if inputs.skipped else "")
     )
