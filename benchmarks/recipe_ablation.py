@@ -17,15 +17,23 @@ docs/PERFORMANCE.md.
 A setting is NAME=KEY=VALUE[,KEY=VALUE...] (KEY is section.key; VALUE is YAML); --set changes every setting
 (the baseline included). Settings that change the draft vocabulary need another results/vocab and are not here.
 The drafters go to a temporary directory (--keep DIR keeps them).
+
+Settings are judged by the walked chain at --k drafts over the held-out samples' first replies (what a benchmark of
+first user turns serves, to within a few tenths of a percent: benchmarks/parity_probe.py). --parallel N trains N
+settings at once, each in its own process: a one-layer drafter at the default target's width leaves most of an H200
+idle. --overlay FILE writes the best setting's changes as a config overlay for the pipeline
+(`snakemake --configfile config.yaml FILE`); benchmarks/h200/ablate.sh runs it all on a lease.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -112,6 +120,8 @@ def train_setting(name: str, changes: dict, inputs: dict, directory: Path, progr
         "k": written["k"],
         "length": written["length"],  # the written drafter's, per k
         "conditional_length": written.get("conditional_length"),
+        "walked_length": written.get("walked_length"),  # the decoder's rounds replayed on held-out tokens: what serving measures
+        "walked_first_turn_length": written.get("walked_first_turn_length"),  # the same over first replies (the benchmarks' prompts)
         "source": f"{written['eval_samples']} {written['source']}",
         "kept_epoch": summary["kept"]["epoch"],
         "per_epoch_length": [None if s is None else s[1] for s in scores],  # at the longest measured k
@@ -128,16 +138,80 @@ def _number(value, digits=3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(rows: list[dict]) -> str:
-    k = max(len(r["k"]) for r in rows)
-    head = "| setting | changes | " + " | ".join(f"k={i}" for i in range(1, k + 1)) + " | kept epoch | best | last | tok/s | s |"
-    lines = [head, "|" + "---|" * (k + 7)]
+def served_score(row: dict, k: int) -> float | None:
+    """What a setting is judged by: the walked chain of k drafts over held-out first replies (what a benchmark of first
+    user turns serves; eyrie.drafter.checkpoint.first_turn_prediction), else over every turn."""
+    for key in ("walked_first_turn_length", "walked_length"):
+        values = row.get(key)
+        if values and k in row["k"] and values[row["k"].index(k)] is not None:
+            return float(values[row["k"].index(k)])
+    return None
+
+
+def markdown(rows: list[dict], k: int) -> str:
+    top = max(len(r["k"]) for r in rows)
+    head = ("| setting | changes | " + " | ".join(f"k={i}" for i in range(1, top + 1))
+            + f" | walked k={k} | first turn k={k} | kept epoch | best | last | tok/s | s |")
+    lines = [head, "|" + "---|" * (top + 9)]
     for r in rows:
-        lengths = [_number(v) for v in r["length"]] + [""] * (k - len(r["length"]))
+        lengths = [_number(v) for v in r["length"]] + [""] * (top - len(r["length"]))
+        at = r["k"].index(k) if k in r["k"] else None
+        walked = [_number(None if at is None or not r.get(key) else r[key][at]) for key in ("walked_length", "walked_first_turn_length")]
         changes = ", ".join(f"`{key}: {json.dumps(value)}`" for key, value in r["changes"].items()) or "(the run's config)"
-        lines.append(f"| {r['setting']} | {changes} | " + " | ".join(lengths)
-                     + f" | {r['kept_epoch']:g} | {_number(r['best_length'])} | {_number(r['last_length'])} | {r['tokens_per_second']:.0f} | {r['seconds']:.0f} |")
+        lines.append(f"| {r['setting']} | {changes} | " + " | ".join(lengths) + " | " + " | ".join(walked)
+                     + f" | {r['kept_epoch']:g} | {_number(r['best_length'])} | {_number(r['last_length'])}"
+                     + f" | {r['tokens_per_second']:.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def write_overlay(rows: list[dict], k: int, path: Path) -> dict:
+    """The best setting's changes (by served_score) as a config overlay: Snakemake's --configfile merges its drafter and
+    train sections over the run's config, so only training and what follows it rerun."""
+    scored = [(served_score(r, k), r) for r in rows if served_score(r, k) is not None]
+    if not scored:
+        raise SystemExit("no setting has a walked acceptance to choose by (drafters trained before training recorded it)")
+    score, best = max(scored, key=lambda pair: pair[0])
+    overlay: dict = {}
+    for key, value in best["changes"].items():  # not --set's: those shape the ablation (e.g. fewer epochs), not the recipe
+        section, name = key.split(".", 1)
+        overlay.setdefault(section, {})[name] = value
+    baseline = next((r for r in rows if not r["changes"]), None)
+    note = (f"# recipe_ablation.py: {best['setting']} scored {score:.3f} (walked chain, k = {k}, held-out first replies)"
+            + (f", the run's config {served_score(baseline, k):.3f}" if baseline and served_score(baseline, k) is not None else "") + "\n")
+    path.write_text(note + (yaml.safe_dump(overlay, sort_keys=True) if overlay else "{}\n"))
+    return {"setting": best["setting"], "score": score, "overlay": overlay}
+
+
+def run_children(args, settings: list[tuple[str, dict]], directory: Path) -> list[dict]:
+    """Each setting in its own process, `parallel` at a time: a one-layer drafter at a small hidden size leaves most of
+    a large GPU idle, so settings trained side by side finish sooner than one after another. Each child writes its
+    row (and its log) to the directory; a setting that fails is reported, not fatal."""
+    rows: dict[str, dict] = {}
+    deadline = None if args.limit is None else time.monotonic() + args.limit
+
+    def child(name: str, text: str) -> None:
+        out, log = directory / f"{name}.row.json", directory / f"{name}.log"
+        command = [sys.executable, __file__, str(args.workdir), "--setting", text, "--keep", str(directory), "--out", str(out), "--quiet"]
+        if args.set:
+            command += ["--set", args.set]
+        with open(log, "w") as handle:
+            try:
+                left = None if deadline is None else max(1.0, deadline - time.monotonic())
+                code = subprocess.run(command, check=False, stdout=handle, stderr=subprocess.STDOUT, timeout=left).returncode
+            except subprocess.TimeoutExpired:  # run() has killed it
+                print(f"{name}: stopped at --limit {args.limit:g} s, not judged; see {log}", flush=True)
+                return
+        if code == 0 and out.exists():
+            rows[name] = json.loads(out.read_text())[0]
+            print(f"{name}: done, {_number(served_score(rows[name], args.k))} walked at k = {args.k} ({log})", flush=True)
+        else:
+            print(f"{name}: FAILED (exit {code}); see {log}", flush=True)
+
+    texts = args.setting or DEFAULT_SETTINGS
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for future in [pool.submit(child, name, text) for (name, _), text in zip(settings, texts)]:
+            future.result()
+    return [rows[name] for name, _ in settings if name in rows]
 
 
 def main() -> int:
@@ -148,33 +222,48 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="write the drafters here (kept) instead of a temporary directory")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no training progress lines")
+    parser.add_argument("--parallel", type=int, default=1, help="settings trained at once, each in its own process (default 1: in this one)")
+    parser.add_argument("--k", type=int, default=4, help="the chain length settings are judged at (the served bench.draft_tokens; default 4)")
+    parser.add_argument("--limit", type=float,
+                        help="with --parallel: seconds after which settings still training are stopped (the finished ones are judged)")
+    parser.add_argument("--overlay", type=Path, help="write the best setting's changes here as a config overlay (snakemake --configfile)")
     args = parser.parse_args()
 
     common = parse_changes(args.set)
     settings = [parse_setting(text) for text in (args.setting or DEFAULT_SETTINGS)]
     if len({name for name, _ in settings}) != len(settings):
         raise SystemExit("setting names must differ")
+    if args.parallel < 1:
+        raise SystemExit("--parallel must be at least 1")
     inputs = pipeline_inputs(args.workdir.resolve())
     rows = []
     with tempfile.TemporaryDirectory(prefix="recipe-ablation-") as scratch:
         directory = args.keep or Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        for name, changes in settings:
+        if args.parallel > 1 and len(settings) > 1:
+            rows = run_children(args, settings, directory)
+        for name, changes in settings if args.parallel == 1 or len(settings) == 1 else []:
             described = ", ".join(f"{section}.{key}={value}" for (section, key), value in changes.items()) or "the run's config"
             print(f"== {name}: {described}", file=sys.stderr, flush=True)
             row = train_setting(name, {**common, **changes}, inputs, directory, progress=not args.quiet)
             rows.append({"setting": name, "changes": {f"{section}.{key}": value for (section, key), value in changes.items()},
                          "every_setting": {f"{section}.{key}": value for (section, key), value in common.items()}, **row})
             print(f"{name}: simulated acceptance {' '.join(_number(v, 2) for v in row['length'])} (k=1..{len(row['k'])}) on {row['source']}; "
+                  f"walked at k = {args.k}: {_number(served_score(rows[-1], args.k))}; "
                   f"kept epoch {row['kept_epoch']:g}, best {_number(row['best_length'])}, last {_number(row['last_length'])}; "
                   f"{row['tokens_per_second']:.0f} tok/s, {row['seconds']:.0f} s", flush=True)
+    if not rows:
+        raise SystemExit("no setting finished")
     print()
     if common:
         print("Every setting: " + ", ".join(f"`{section}.{key}: {json.dumps(value)}`" for (section, key), value in common.items()))
         print()
-    print(markdown(rows))
+    print(markdown(rows, args.k))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
+    if args.overlay:
+        picked = write_overlay(rows, args.k, args.overlay)
+        print(f"\nbest: {picked['setting']} ({picked['score']:.3f} walked at k = {args.k}); overlay written to {args.overlay}")
     return 0
 
 

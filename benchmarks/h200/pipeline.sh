@@ -25,8 +25,10 @@ rm -rf "$W/.snakemake/locks"  # a call cut at its limit leaves the lock behind; 
 t0=$SECONDS
 # OVERLAY=<yaml>: a config laid over $CONFIG (Snakemake merges sections key by key), e.g. benchmarks/h200/short_sweep.yaml.
 overlay=(); [ -n "${OVERLAY:-}" ] && overlay=(--configfile "$W/config.yaml" "$(realpath "$OVERLAY")")
+# The overlay's --configfile takes every word up to the next option: --rerun-incomplete ends it before the targets.
+# Targets first, then options taking several words (e.g. `pipeline.sh results/drafter --omit-from train_drafter`).
 timeout -k 20 "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
-    --rerun-incomplete "${overlay[@]}" "$@" >> "$OUT/snakemake.log" 2>&1
+    "${overlay[@]}" --rerun-incomplete "$@" >> "$OUT/snakemake.log" 2>&1
 rc=$?; pkill -9 -f "$W/.snakemake/scripts" 2>/dev/null  # jobs Snakemake left running when it was killed
 echo "snakemake rc=$rc in $((SECONDS - t0)) s"; grep -v "^DEBUG" "$OUT/snakemake.log" | grep -E "Error|error|steps \(|Finished" | tail -n 12
 bash benchmarks/h200/collect.sh "$W"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the lease, after pipeline.sh has built a run's cache and vocabulary in $W: train the recipe settings side by side
+# (benchmarks/recipe_ablation.py --parallel, one process each on the one GPU) and write the best one's changes as a
+# config overlay for the pipeline's own training (OVERLAY=$RECIPE pipeline.sh results/drafter ...).
+#   ABLATION_EPOCHS (default 1): every setting's epochs; ABLATION_LIMIT (default 330): seconds before the settings
+#   still training are stopped (the finished ones are kept and judged).
+# Settings: the arguments (recipe_ablation.py's NAME=KEY=VALUE[,...]), else the list below.
+set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
+W=${W:-/tmp/persist/w}; RECIPE=${RECIPE:-/tmp/persist/recipe.yaml}; KEEP=/tmp/persist/ablation
+export PYTHONPATH=$PYTHONPATH:/tmp/persist/site PATH=/tmp/persist/site/bin:$PATH
+export OMP_NUM_THREADS=2 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # seven trainers share 16 cores and one GPU
+settings=("$@")
+[ ${#settings[@]} -eq 0 ] && settings=(
+    "baseline="
+    "lr-1e-3=train.learning_rate=0.001"
+    "lr-2e-3=train.learning_rate=0.002"
+    "mlp-3x=drafter.intermediate_size=4608"
+    "mlp-3x-lr-1e-3=drafter.intermediate_size=4608,train.learning_rate=0.001"
+    "both-norms=drafter.norm_before_fc=true,drafter.norm_output=true"
+    "noise-0.05=train.hidden_noise=0.05"
+)
+args=(); for s in "${settings[@]}"; do args+=(--setting "$s"); done
+rm -rf "$KEEP"; mkdir -p "$KEEP"
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv -l 20 > "$OUT/ablation-gpu.csv" 2>/dev/null &
+smi=$!
+TAIL=40 step ablation $(( ${ABLATION_LIMIT:-330} + 60 )) python3 benchmarks/recipe_ablation.py "$W" "${args[@]}" --parallel "${#settings[@]}" \
+    --set "train.epochs=${ABLATION_EPOCHS:-1}" --keep "$KEEP" --out "$OUT/ablation.json" --overlay "$RECIPE" --limit "${ABLATION_LIMIT:-330}"
+kill $smi 2>/dev/null; pkill -9 -f recipe_ablation.py 2>/dev/null  # children the timeout left
+cp "$KEEP"/*.log "$KEEP"/*.row.json "$OUT/" 2>/dev/null
+for d in "$KEEP"/*/; do [ -f "$d/training_log.json" ] && cp "$d/training_log.json" "$OUT/$(basename "$d").training_log.json"; done
+[ -f "$RECIPE" ] && { echo "--- $RECIPE"; cat "$RECIPE"; cp "$RECIPE" "$OUT/"; }
