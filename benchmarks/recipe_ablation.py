@@ -18,10 +18,12 @@ A setting is NAME=KEY=VALUE[,KEY=VALUE...] (KEY is section.key; VALUE is YAML); 
 (the baseline included). Settings that change the draft vocabulary need another results/vocab and are not here.
 The drafters go to a temporary directory (--keep DIR keeps them).
 
-Settings are judged by the walked chain at --k drafts over the held-out samples' first replies (what a benchmark of
-first user turns serves, to within a few tenths of a percent: benchmarks/parity_probe.py). --parallel N trains N
-settings at once, each in its own process: a one-layer drafter at the default target's width leaves most of an H200
-idle. --overlay FILE writes the best setting's changes as a config overlay for the pipeline
+Settings are judged by the walked chain of --k drafts over the held-out samples' first replies: it replays the
+decoder's rounds, and on the same tokens matches served acceptance to a few tenths of a percent
+(benchmarks/parity_probe.py); on the cache's held-out samples it has read 14-16% above the benchmarks' prompts, a bias
+shared by every setting. --gpus 0,1,... trains one setting per GPU at once, each in its own process (several on one
+GPU do not help: it time-slices them). --limit keeps a run inside a lease's call: a setting that cannot finish in
+time is not started. --overlay FILE writes the best setting's changes as a config overlay for the pipeline
 (`snakemake --configfile config.yaml FILE`); benchmarks/h200/ablate.sh runs it all on a lease.
 """
 
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -182,36 +186,67 @@ def write_overlay(rows: list[dict], k: int, path: Path) -> dict:
     return {"setting": best["setting"], "score": score, "overlay": overlay}
 
 
-def run_children(args, settings: list[tuple[str, dict]], directory: Path) -> list[dict]:
-    """Each setting in its own process, `parallel` at a time: a one-layer drafter at a small hidden size leaves most of
-    a large GPU idle, so settings trained side by side finish sooner than one after another. Each child writes its
-    row (and its log) to the directory; a setting that fails is reported, not fatal."""
+def run_children(args, settings: list[tuple[str, dict]], directory: Path, save) -> list[dict]:
+    """Each setting in its own process on its own GPU (--gpus), as many at once as there are GPUs; a setting still
+    training at --limit is stopped and not judged, a setting that fails is reported, not fatal. Not several per GPU:
+    on one H200, six settings trained at once ran slower in all than one alone (docs/PERFORMANCE.md)."""
     rows: dict[str, dict] = {}
     deadline = None if args.limit is None else time.monotonic() + args.limit
+    free: queue.Queue = queue.Queue()
+    for gpu in args.gpus.split(","):
+        free.put(gpu.strip())
 
     def child(name: str, text: str) -> None:
+        gpu = free.get()
         out, log = directory / f"{name}.row.json", directory / f"{name}.log"
-        command = [sys.executable, __file__, str(args.workdir), "--setting", text, "--keep", str(directory), "--out", str(out), "--quiet"]
+        command = [sys.executable, __file__, str(args.workdir), "--setting", text, "--keep", str(directory), "--out", str(out)]
         if args.set:
             command += ["--set", args.set]
-        with open(log, "w") as handle:
-            try:
+        try:
+            with open(log, "w") as handle:
                 left = None if deadline is None else max(1.0, deadline - time.monotonic())
-                code = subprocess.run(command, check=False, stdout=handle, stderr=subprocess.STDOUT, timeout=left).returncode
-            except subprocess.TimeoutExpired:  # run() has killed it
-                print(f"{name}: stopped at --limit {args.limit:g} s, not judged; see {log}", flush=True)
-                return
+                code = subprocess.run(command, check=False, stdout=handle, stderr=subprocess.STDOUT, timeout=left,
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}).returncode
+        except subprocess.TimeoutExpired:  # run() has killed it
+            print(f"{name}: stopped at --limit {args.limit:g} s, not judged; see {log}", flush=True)
+            return
+        finally:
+            free.put(gpu)
         if code == 0 and out.exists():
             rows[name] = json.loads(out.read_text())[0]
-            print(f"{name}: done, {_number(served_score(rows[name], args.k))} walked at k = {args.k} ({log})", flush=True)
+            save([rows[n] for n, _ in settings if n in rows])
+            print(f"{name}: done on GPU {gpu}, {_number(served_score(rows[name], args.k))} walked at k = {args.k} ({log})", flush=True)
         else:
             print(f"{name}: FAILED (exit {code}); see {log}", flush=True)
 
     texts = args.setting or DEFAULT_SETTINGS
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+    with ThreadPoolExecutor(max_workers=free.qsize()) as pool:
         for future in [pool.submit(child, name, text) for (name, _), text in zip(settings, texts)]:
             future.result()
     return [rows[name] for name, _ in settings if name in rows]
+
+
+def run_here(args, settings: list[tuple[str, dict]], common: dict, inputs: dict, directory: Path, save) -> list[dict]:
+    """The settings one after another in this process. With --limit, a setting is not started once the time left is
+    shorter than the longest one so far took (so a run cut by its limit still judges what it finished)."""
+    rows: list[dict] = []
+    t0, longest = time.monotonic(), 0.0
+    for name, changes in settings:
+        if args.limit is not None and rows and time.monotonic() - t0 + longest > args.limit:
+            print(f"{name}: not started: {args.limit - (time.monotonic() - t0):.0f} s of --limit left, a setting took {longest:.0f} s", flush=True)
+            continue
+        described = ", ".join(f"{section}.{key}={value}" for (section, key), value in changes.items()) or "the run's config"
+        print(f"== {name}: {described}", file=sys.stderr, flush=True)
+        row = train_setting(name, {**common, **changes}, inputs, directory, progress=not args.quiet)
+        longest = max(longest, row["seconds"])
+        rows.append({"setting": name, "changes": {f"{section}.{key}": value for (section, key), value in changes.items()},
+                     "every_setting": {f"{section}.{key}": value for (section, key), value in common.items()}, **row})
+        save(rows)
+        print(f"{name}: simulated acceptance {' '.join(_number(v, 2) for v in row['length'])} (k=1..{len(row['k'])}) on {row['source']}; "
+              f"walked at k = {args.k}: {_number(served_score(rows[-1], args.k))}; "
+              f"kept epoch {row['kept_epoch']:g}, best {_number(row['best_length'])}, last {_number(row['last_length'])}; "
+              f"{row['tokens_per_second']:.0f} tok/s, {row['seconds']:.0f} s", flush=True)
+    return rows
 
 
 def main() -> int:
@@ -220,12 +255,12 @@ def main() -> int:
     parser.add_argument("--setting", action="append", help="NAME=KEY=VALUE[,KEY=VALUE...]; repeat; default: " + "; ".join(DEFAULT_SETTINGS))
     parser.add_argument("--set", default="", help="KEY=VALUE[,...] applied to every setting, e.g. train.epochs=6,train.device=cuda")
     parser.add_argument("--keep", type=Path, help="write the drafters here (kept) instead of a temporary directory")
-    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here (rewritten as each setting ends)")
     parser.add_argument("--quiet", action="store_true", help="no training progress lines")
-    parser.add_argument("--parallel", type=int, default=1, help="settings trained at once, each in its own process (default 1: in this one)")
+    parser.add_argument("--gpus", help="e.g. 0,1: each setting in its own process on one of these GPUs, as many at once as listed "
+                                       "(default: one after another in this process)")
+    parser.add_argument("--limit", type=float, help="seconds: settings that cannot finish in time are not started (--gpus: are stopped)")
     parser.add_argument("--k", type=int, default=4, help="the chain length settings are judged at (the served bench.draft_tokens; default 4)")
-    parser.add_argument("--limit", type=float,
-                        help="with --parallel: seconds after which settings still training are stopped (the finished ones are judged)")
     parser.add_argument("--overlay", type=Path, help="write the best setting's changes here as a config overlay (snakemake --configfile)")
     args = parser.parse_args()
 
@@ -233,25 +268,21 @@ def main() -> int:
     settings = [parse_setting(text) for text in (args.setting or DEFAULT_SETTINGS)]
     if len({name for name, _ in settings}) != len(settings):
         raise SystemExit("setting names must differ")
-    if args.parallel < 1:
-        raise SystemExit("--parallel must be at least 1")
     inputs = pipeline_inputs(args.workdir.resolve())
-    rows = []
+
+    def save(rows: list[dict]) -> None:  # after every setting: a run cut short keeps what it finished
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1))
+        if args.overlay and rows:
+            write_overlay(rows, args.k, args.overlay)
+
     with tempfile.TemporaryDirectory(prefix="recipe-ablation-") as scratch:
         directory = args.keep or Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        if args.parallel > 1 and len(settings) > 1:
-            rows = run_children(args, settings, directory)
-        for name, changes in settings if args.parallel == 1 or len(settings) == 1 else []:
-            described = ", ".join(f"{section}.{key}={value}" for (section, key), value in changes.items()) or "the run's config"
-            print(f"== {name}: {described}", file=sys.stderr, flush=True)
-            row = train_setting(name, {**common, **changes}, inputs, directory, progress=not args.quiet)
-            rows.append({"setting": name, "changes": {f"{section}.{key}": value for (section, key), value in changes.items()},
-                         "every_setting": {f"{section}.{key}": value for (section, key), value in common.items()}, **row})
-            print(f"{name}: simulated acceptance {' '.join(_number(v, 2) for v in row['length'])} (k=1..{len(row['k'])}) on {row['source']}; "
-                  f"walked at k = {args.k}: {_number(served_score(rows[-1], args.k))}; "
-                  f"kept epoch {row['kept_epoch']:g}, best {_number(row['best_length'])}, last {_number(row['last_length'])}; "
-                  f"{row['tokens_per_second']:.0f} tok/s, {row['seconds']:.0f} s", flush=True)
+        if args.gpus and len(settings) > 1:
+            rows = run_children(args, settings, directory, save)
+        else:
+            rows = run_here(args, settings, common, inputs, directory, save)
     if not rows:
         raise SystemExit("no setting finished")
     print()
@@ -259,8 +290,6 @@ def main() -> int:
         print("Every setting: " + ", ".join(f"`{section}.{key}: {json.dumps(value)}`" for (section, key), value in common.items()))
         print()
     print(markdown(rows, args.k))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
     if args.overlay:
         picked = write_overlay(rows, args.k, args.overlay)
         print(f"\nbest: {picked['setting']} ({picked['score']:.3f} walked at k = {args.k}); overlay written to {args.overlay}")
