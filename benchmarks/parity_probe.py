@@ -12,7 +12,9 @@ target's states computed as extraction computes them, and prints both per positi
 
 --second-turn also answers each prompt's second user turn after the target's own first reply (as regeneration
 builds a two-turn sample) and reports both turns apart: the benchmark serves first turns only, while the held-out
-cache samples that training predicts from hold both.
+cache samples that training predicts from hold both. --eval-samples 0.05 serves, instead of the benchmark's
+held-out prompts, the training shards' prompts that training held out (train.eval_fraction 0.05): the prompts
+behind training's prediction, so the two sample sets can be told apart from the two code paths.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--any-template", action="store_true", help="skip the check that the target's template is the drafter's")
     parser.add_argument("--second-turn", action="store_true", help="also serve each prompt's second user turn and report the turns apart")
+    parser.add_argument("--eval-samples", type=float, metavar="FRACTION",
+                        help="serve the training shards' prompts that training holds out at this train.eval_fraction (the samples its "
+                             "prediction walks, by the same id rule) instead of the benchmark's held-out prompts")
     args = parser.parse_args()
     work = Path(args.workdir)
     target_dir = args.model or str(next((work / "resources" / "models").iterdir()))
@@ -80,7 +85,8 @@ def main() -> None:
         drafter = load_drafter(work / "results" / "drafter", model.get_input_embeddings().weight.detach()).to(model.device, model.dtype).eval()
     else:
         model, tokenizer, drafter, _, _ = load_models(target_dir, work / "results" / "drafter", args.dtype, args.device, None, False)
-    prompts = load_heldout_prompts(work / "results" / "prompts" / args.dataset / "heldout.parquet", args.prompts)
+    prompts = (eval_sample_prompts(work / "results" / "prompts" / args.dataset, args.eval_samples, args.prompts) if args.eval_samples
+               else load_heldout_prompts(work / "results" / "prompts" / args.dataset / "heldout.parquet", args.prompts))
     encoded = [tokenizer(render(tokenizer, first_turn(p), add_generation_prompt=True), add_special_tokens=False)["input_ids"] for p in prompts]
     runs = served(model, drafter, encoded, args.max_new_tokens, stop_ids_of(model, tokenizer), args.k)
     recorded = json.loads((work / "results" / "drafter" / "config.json").read_text()).get("eyrie", {}).get("simulated_acceptance", {})
@@ -105,6 +111,18 @@ def compared(model, drafter, runs, k: int) -> dict:
         "simulated_on_served_tokens": {key: sim[key] for key in ("length", "conditional_length", "walked_length", "walked_rounds",
                                                                   "per_step_accuracy", "conditional_accuracy", "positions_per_step")},
     }
+
+
+def eval_sample_prompts(prompts_dir: Path, fraction: float, limit: int) -> list[dict]:
+    """The first `limit` (by id) of the shard prompts training holds out at train.eval_fraction `fraction`: the same id rule
+    over the prompts' ids (the cache's samples are those of them with trainable tokens, so a few may differ)."""
+    import pyarrow.parquet as pq
+
+    from eyrie.training.holdout import held_out_indices
+
+    rows = [row for path in sorted(prompts_dir.glob("[0-9]*.parquet")) for row in pq.read_table(path, columns=["id", "messages"]).to_pylist()]
+    held = [rows[k] for k in held_out_indices([row["id"] for row in rows], fraction)]
+    return sorted(held, key=lambda row: row["id"])[:limit]
 
 
 def second_turns(tokenizer, prompts: list[dict], firsts) -> list[list[int]]:
