@@ -194,3 +194,16 @@ def test_sglangs_eagle3_module_reads_these_names():
     text = ast.unparse(forward)
     assert text.index("self.input_norm(hidden_states)") < text.index("self.fc(hidden_states)")
     assert "hidden_states_to_logits if self.norm_output else hidden_states_to_aux" in text
+
+
+def test_sglangs_draft_layer_takes_its_mlp_width_from_the_drafters_own_config():
+    """drafter.intermediate_size is served as trained: SGLang's draft decoder layer sizes its MLP from the draft config
+    (config.json's intermediate_size), not from the target's."""
+    path = _sglang_eagle3_source()
+    if path is None:
+        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+    tree = ast.parse(path.read_text())
+    layer = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "LlamaDecoderLayer")
+    init = ast.unparse(next(node for node in layer.body if isinstance(node, ast.FunctionDef) and node.name == "__init__"))
+    assert "inter_size = config.intermediate_size" in init
+    assert "self.mlp = LlamaMLP(config.hidden_size, inter_size" in init
