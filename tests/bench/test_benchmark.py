@@ -376,6 +376,24 @@ def test_parity_compares_with_the_conditional_chain_and_fails_a_gap_with_the_usu
 
 
 
+def test_the_measurements_interval_over_its_prompts_is_recorded_and_named_when_the_gate_fails(tmp_path):
+    """A gap is judged as before; the error then says whether the measurement's own prompt-to-prompt spread could hold the
+    prediction, so a user with 16 prompts is not sent hunting for an aux-layer bug that sampling explains."""
+    from eyrie.bench.parity import measured_interval, parity
+
+    write_drafter_config(tmp_path / "drafter", SUMMARY)
+    rows = [{"acceptance_lengths": [a] * n, "rounds": n} for a, n in ((1, 10), (3, 10), (1, 30), (3, 5))]
+    low, high = measured_interval(rows)
+    pooled = (10 + 30 + 30 + 15) / 55
+    assert low < pooled < high and 1.0 <= low and high <= 3.0
+    assert measured_interval(rows) == [low, high]  # a fixed seed: the same record for the same measurement
+    assert measured_interval(rows[:1]) is None and measured_interval([]) is None
+    wide = parity(tmp_path / "drafter", 1.5, 2, 0.15, gated=True, interval=[1.3, 2.4])
+    assert wide["interval"] == [1.3, 2.4] and "1.300-2.400 and holds the prediction" in wide["error"]
+    narrow = parity(tmp_path / "drafter", 1.5, 2, 0.15, gated=True, interval=[1.45, 1.55])
+    assert "1.450-1.550" in narrow["error"] and "holds the prediction" not in narrow["error"]
+
+
 def test_parity_prefers_the_first_turn_walk_then_the_walk_over_every_turn(tmp_path):
     """The benchmark serves first user turns: the first-turn walk is its yardstick; drafters trained before it fall back."""
     from eyrie.bench.parity import parity

@@ -30,7 +30,7 @@ from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
-from eyrie.bench.parity import parity
+from eyrie.bench.parity import measured_interval, parity
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
 from eyrie.core.atomic import write_json_atomically
@@ -470,7 +470,8 @@ def run_benchmark(
                 )
     mean = result["mean_acceptance_length"]
     drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
-    result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=benchmark_name not in WHEEL_BENCHMARKS)
+    result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=benchmark_name not in WHEEL_BENCHMARKS,
+                              interval=measured_interval(rows))
     failure = None
     if mean is None or mean < cfg["min_acceptance_length"]:
         result["error"], failure = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path), DrafterNotEngagedError

@@ -428,7 +428,12 @@ def _parity_figures(data) -> dict[str, Any] | None:
     """Training's predicted acceptance for the benchmark's k beside the measured one; None for JSONs without it."""
     if not isinstance(data, dict) or number(data.get("simulated")) is None:
         return None
-    return {key: data.get(key) for key in ("k", "simulated", "form", "measured", "gap", "max_gap", "judged", "not_judged_because", "source", "eval_samples")}
+    keys = ("k", "simulated", "form", "measured", "gap", "max_gap", "judged", "not_judged_because", "source", "eval_samples")
+    figures = {key: data.get(key) for key in keys}
+    interval = data.get("interval")  # the measurement's 95% interval over its prompts; absent before it was recorded
+    valid = isinstance(interval, list) and len(interval) == 2 and all(number(v) is not None for v in interval)
+    figures["interval"] = [number(v) for v in interval] if valid else None
+    return figures
 
 
 def _ngram_figures(data: dict) -> dict[str, Any]:
