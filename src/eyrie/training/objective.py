@@ -306,13 +306,7 @@ class TTTObjective(torch.nn.Module):
         return loss * weight, torch.stack(stats)
 
 
-def batch_target(batch: dict, target_lm_head, draft_ids, t2d) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The target's view of a training batch (target_distribution at the positions some step needs): (probs, row, arg)."""
-    return target_distribution(batch["final"], needed_targets(batch["loss_mask"], batch["lengths"]), target_lm_head, draft_ids, t2d)
-
-
-def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool,
-               target: tuple | None = None) -> dict:
+def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool) -> dict:
     """One optimizer step on this rank's rows of the step's batch; the same code on one rank or many.
 
     objective: a TTTObjective, or DistributedDataParallel around one (then batch["weight"] is the
@@ -327,8 +321,7 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     steps, decay = inner.steps, inner.decay
     weight = float(batch.get("weight", 1.0))
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
-    # target: batch_target's result when the caller kept it from an earlier epoch (eyrie.training.target_cache).
-    target_probs, target_row, target_arg = target if target is not None else batch_target(batch, target_lm_head, draft_ids, t2d)
+    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
     targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(steps)]
     counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
     if distributed:

@@ -48,11 +48,10 @@ from eyrie.training.inputs import HiddenCache, StateSource, TrainingInputs, read
 from eyrie.training.keep_best import best_record, is_better, kept_note, restore, snapshot
 from eyrie.training.metrics import add_step, final_metrics, log_entry, log_line, new_window
 from eyrie.training.noise import add_hidden_noise
-from eyrie.training.objective import TTTObjective, batch_target, train_step
+from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.online import OnlineStates
 from eyrie.training.optimizer import learning_rate, make_optimizer
 from eyrie.training.state import RunRecord, epoch_order, load_state, run_identity, save_state
-from eyrie.training.target_cache import TargetCache
 from eyrie.training.ttt_attention import resolve_attention
 
 
@@ -275,23 +274,17 @@ def _train_steps(
     trainer.model.train()
     states = run.inputs.states
 
-    targets = TargetCache()  # each batch's target view, reused in later epochs where it fits (small draft vocabularies)
-
     def load(step: int):  # in a background thread, while the step before computes
         epoch, index = divmod(step, run.steps_per_epoch)
-        number = epoch_order(seed, epoch, run.steps_per_epoch)[index]
-        whole = batches[number]
+        whole = batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]]
         refs, weight = rank_share(whole, ranks.rank, ranks.world)
-        return epoch, number, whole, refs, weight, states.load(refs)
+        return epoch, whole, refs, weight, states.load(refs)
 
     with contextlib.closing(loaded_ahead(load, range(record.step, run.total_steps))) as loads:
         for step in range(record.step, run.total_steps):
             t0 = time.perf_counter()
-            epoch, number, whole, refs, weight, loaded = next(loads)
+            epoch, whole, refs, weight, loaded = next(loads)
             batch = states.to_device(loaded, ranks.device, dtype=run.frozen_dtype)
-            target = targets.get(number)  # the noise below changes aux only, never what the target view is made of
-            if target is None:
-                target = targets.keep(number, batch_target(batch, trainer.target_lm_head, trainer.draft_ids, trainer.t2d))
             if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
                 add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
             batch["weight"] = weight
@@ -300,9 +293,9 @@ def _train_steps(
                 group["lr"] = lr
             result = train_step(
                 trainer.objective, trainer.optimizer, batch, target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
-                t2d=trainer.t2d, max_grad_norm=float(cfg["max_grad_norm"]), use_bf16=run.use_bf16, target=target,
+                t2d=trainer.t2d, max_grad_norm=float(cfg["max_grad_norm"]), use_bf16=run.use_bf16,
             )
-            del batch, target
+            del batch
             if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):  # the same figures on every rank
                 raise NonFiniteError(_non_finite_message(run, step + 1, whole, result))
             elapsed = time.perf_counter() - t0
