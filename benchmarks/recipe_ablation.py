@@ -168,12 +168,13 @@ def markdown(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
-def write_overlay(rows: list[dict], k: int, path: Path) -> dict:
+def write_overlay(rows: list[dict], k: int, path: Path) -> dict | None:
     """The best setting's changes (by served_score) as a config overlay: Snakemake's --configfile merges its drafter and
-    train sections over the run's config, so only training and what follows it rerun."""
+    train sections over the run's config, so only training and what follows it rerun. None (nothing written) when no
+    setting has a walked acceptance at k (k beyond drafter.ttt_steps)."""
     scored = [(served_score(r, k), r) for r in rows if served_score(r, k) is not None]
     if not scored:
-        raise SystemExit("no setting has a walked acceptance to choose by (drafters trained before training recorded it)")
+        return None
     score, best = max(scored, key=lambda pair: pair[0])
     overlay: dict = {}
     for key, value in best["changes"].items():  # not --set's: those shape the ablation (e.g. fewer epochs), not the recipe
@@ -292,7 +293,8 @@ def main() -> int:
     print(markdown(rows, args.k))
     if args.overlay:
         picked = write_overlay(rows, args.k, args.overlay)
-        print(f"\nbest: {picked['setting']} ({picked['score']:.3f} walked at k = {args.k}); overlay written to {args.overlay}")
+        print(f"\nbest: {picked['setting']} ({picked['score']:.3f} walked at k = {args.k}); overlay written to {args.overlay}" if picked
+              else f"\nno setting has a walked acceptance at k = {args.k} (beyond drafter.ttt_steps?): no overlay written")
     return 0
 
 
