@@ -116,11 +116,12 @@ def compared(model, drafter, runs, k: int) -> dict:
 def eval_sample_prompts(prompts_dir: Path, fraction: float, limit: int) -> list[dict]:
     """The first `limit` (by id) of the shard prompts training holds out at train.eval_fraction `fraction`: the same id rule
     over the prompts' ids (the cache's samples are those of them with trainable tokens, so a few may differ)."""
-    import pyarrow.parquet as pq
-
+    from eyrie.core.artifacts import read_parquet
     from eyrie.training.holdout import held_out_indices
 
-    rows = [row for path in sorted(prompts_dir.glob("[0-9]*.parquet")) for row in pq.read_table(path, columns=["id", "messages"]).to_pylist()]
+    written_by = f"build_prompts_{prompts_dir.name}"  # the project's reader: digest checked, errors name the file
+    rows = [row for path in sorted(prompts_dir.glob("[0-9]*.parquet"))
+            for row in read_parquet(path, ["id", "messages"], written_by=written_by).to_pylist()]
     held = [rows[k] for k in held_out_indices([row["id"] for row in rows], fraction)]
     return sorted(held, key=lambda row: row["id"])[:limit]
 
