@@ -47,6 +47,7 @@ DEFAULT_SETTINGS = [
     "last-epoch=train.keep_best=false",
     "noise-0.05=train.hidden_noise=0.05",
     "noise-0.1=train.hidden_noise=0.1",
+    "hard-0.5=train.hard_label_weight=0.5",
     "lr-linear=train.lr_schedule=linear",
     "lr-constant=train.lr_schedule=constant",
     "norm-before-fc=drafter.norm_before_fc=true",

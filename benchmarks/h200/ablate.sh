@@ -13,11 +13,14 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l); gpu_args=()
 [ "$gpus" -gt 1 ] && gpu_args=(--gpus "$(seq -s, 0 $((gpus - 1)))") && export OMP_NUM_THREADS=$((16 / gpus))
 settings=("$@")
 # The default list, most promising first (a cut run judges those it finished). The 12-01 run's drafter fits its own
-# training data only to 0.64 step-0 accuracy after 4 epochs, still rising: it underfits, so the rate, the MLP's width
-# and the weight of the early steps (which chain 4 serves) come before regularisers.
+# training data only to 0.64 step-0 accuracy after 4 epochs, still rising: it underfits, so the rate, labels that
+# spend its capacity on the argmax greedy verification checks, the MLP's width and the weight of the early steps
+# (which chain 4 serves) come before regularisers.
 [ ${#settings[@]} -eq 0 ] && settings=(
     "baseline="
     "lr-2e-3=train.learning_rate=0.002"
+    "hard-0.5=train.hard_label_weight=0.5"
+    "hard-1=train.hard_label_weight=1"
     "mlp-3x=drafter.intermediate_size=4608"
     "decay-0.6=drafter.step_weight_decay=0.6"
     "lr-1e-3=train.learning_rate=0.001"

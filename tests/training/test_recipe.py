@@ -99,10 +99,10 @@ def test_without_keep_best_the_last_epoch_is_written(tmp_path, monkeypatch):
 
 def test_a_kill_and_resume_with_every_recipe_option_writes_the_same_bytes(tmp_path, monkeypatch):
     """keep_best (the best epoch is the first, the run is killed two steps after its last save, in epoch 2), hidden noise,
-    a linear schedule and both EAGLE-3.1 norms: the resumed run writes the uninterrupted run's files, byte for byte;
+    labels half the target's argmax, a linear schedule and both EAGLE-3.1 norms: the resumed run writes the uninterrupted run's files, byte for byte;
     the kept weights came back from the resume state."""
     inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
-    train = {**TRAIN, "epochs": 2.5, "lr_schedule": "linear", "hidden_noise": 0.3}
+    train = {**TRAIN, "epochs": 2.5, "lr_schedule": "linear", "hidden_noise": 0.3, "hard_label_weight": 0.5}
     drafter = {"norm_before_fc": True, "norm_output": True}
     hits = {4: 9, 8: 5, 10: 6}
     snapshots: dict = {}
@@ -141,6 +141,71 @@ def test_a_kill_and_resume_with_every_recipe_option_writes_the_same_bytes(tmp_pa
     assert config["eyrie"]["drafter"]["norm_before_fc"] is True and config["eyrie"]["train"]["hidden_noise"] == 0.3
     model = load_drafter(tmp_path / "full", torch.randn(120, 32))
     assert model.shape.norm_before_fc and model.shape.norm_output and torch.equal(model.input_norm.weight, written["input_norm.weight"])
+
+
+# --------------------------------------------------------------------------- train.hard_label_weight
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3, 1.0])
+def test_hard_labels_mix_a_one_hot_on_the_targets_argmax_into_its_distribution(weight):
+    """Each needed position's label is (1 - w) * the target's draft-vocab distribution + w * a one-hot on its argmax; a position
+    whose full-vocabulary argmax lies outside the draft vocabulary (never trained) keeps the plain distribution."""
+    from eyrie.training.objective import target_distribution
+
+    g = torch.Generator().manual_seed(1)
+    B, L, H, V = 2, 9, 16, 50
+    final, lm_head = torch.randn(B, L, H, generator=g), torch.randn(V, H, generator=g)
+    needed = torch.rand(B, L, generator=g) > 0.3
+    draft_ids = torch.arange(0, V, 2)  # the even tokens: about half the argmaxes fall outside
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    plain, row, arg = target_distribution(final, needed, lm_head, draft_ids, t2d)
+    mixed, row_mixed, arg_mixed = target_distribution(final, needed, lm_head, draft_ids, t2d, hard_label_weight=weight)
+    assert torch.equal(row, row_mixed) and torch.equal(arg, arg_mixed)
+    draft_arg = torch.full((plain.shape[0],), -1, dtype=torch.long)
+    draft_arg[row[row >= 0]] = arg[row >= 0]
+    inside = draft_arg >= 0
+    assert 0 < int(inside.sum()) < plain.shape[0]  # both kinds of row occur
+    expected = plain.clone()
+    expected[inside] = (1 - weight) * plain[inside] + weight * torch.nn.functional.one_hot(draft_arg[inside], plain.shape[1]).float()
+    assert torch.allclose(mixed, expected, atol=1e-7)
+    assert torch.equal(mixed[~inside], plain[~inside])
+    assert torch.allclose(mixed.sum(-1), torch.ones(plain.shape[0]), atol=1e-6)
+
+
+def test_hard_label_weight_one_trains_on_the_targets_argmax_alone(tmp_path):
+    """w = 1: the loss of a training step is the cross-entropy of the draft logits against the target's argmax, computed
+    here from the drafter's own logits; training with it writes other weights than soft labels and records the setting."""
+    from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, ttt_hidden
+    from eyrie.training.optimizer import make_optimizer
+    from training.test_train import tiny_model
+
+    g = torch.Generator().manual_seed(4)
+    B, L, H, V = 2, 13, 32, 120
+    lengths = torch.tensor([L, L - 4])
+    batch = {"aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g),
+             "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2,
+             "lengths": lengths, "tokens": int(lengths.sum())}
+    head = torch.randn(V, H, generator=g)
+    model = tiny_model(Vd=40)
+    draft_ids = torch.arange(40) + model.d2t
+    with torch.no_grad():  # the expected loss, before the step changes the weights: sum_j 0.8^j * mean_j CE(logits, argmax)
+        _, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), head, draft_ids, model.t2d)
+        targets = [step_targets(j, row, arg, batch["loss_mask"], lengths) for j in range(3)]
+        outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets])
+        expected = sum(0.8**j * torch.nn.functional.cross_entropy(model.head(out), a[valid]).item()
+                       for j, (out, (valid, _, a)) in enumerate(zip(outs, targets)))
+    objective = TTTObjective(model, 3, 0.8, hard_label_weight=1.0)
+    result = train_step(objective, make_optimizer(model, 1e-2, 0.0), batch, target_lm_head=head, draft_ids=draft_ids, t2d=model.t2d,
+                        max_grad_norm=1e6, use_bf16=False)
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+    inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
+    run(tmp_path, inputs, "soft", train={**TRAIN, "epochs": 1})
+    run(tmp_path, inputs, "hard", train={**TRAIN, "epochs": 1, "hard_label_weight": 1.0})
+    soft, hard = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("soft", "hard"))
+    assert not torch.equal(soft["fc.weight"], hard["fc.weight"])
+    assert json.loads((tmp_path / "hard" / "config.json").read_text())["eyrie"]["train"]["hard_label_weight"] == 1.0
 
 
 # --------------------------------------------------------------------------- train.hidden_noise

@@ -16,7 +16,8 @@ chains j drafts after position t, so the training forward at every step equals `
 (loss_mask) and the target's full-vocabulary argmax at t+1+j lies in the draft vocabulary.
 
 Loss per step: soft cross-entropy against the target distribution restricted (renormalised) to
-the draft vocabulary; total = sum_j decay^j * loss_j.
+the draft vocabulary, optionally mixed with a one-hot on its argmax (train.hard_label_weight);
+total = sum_j decay^j * loss_j.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def _logits_float32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk_rows: int | None = None):
+def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk_rows: int | None = None,
+                        hard_label_weight: float = 0.0):
     """The target's view at the needed positions s of final [B, L, H].
 
     lm_head [V, H] is used in its own dtype (bf16 on CUDA: no float32 copy of a 128256 x 4096 head).
@@ -184,7 +186,8 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
     distribution renormalised over the draft vocab, one row per needed position; row [B, L]: the
     row of position s, -1 where not needed; arg [B, L]: draft id of the FULL-vocabulary argmax at
     s, -1 where it lies outside the draft vocab or s is not needed). The full-vocabulary logits
-    exist one chunk of positions at a time, never [B*L, V] at once.
+    exist one chunk of positions at a time, never [B*L, V] at once. hard_label_weight: the probs rows
+    are the training labels mixed with a one-hot on that argmax (mix_hard_labels).
     """
     B, L, H = final.shape
     Vd = draft_ids.numel()
@@ -200,11 +203,26 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
         probs[a : a + chunk_rows] = torch.softmax(logits[:, draft_ids], dim=-1)
         del logits
     draft_arg = torch.where(t2d[argmax], torch.searchsorted(draft_ids, argmax).clamp(max=Vd - 1), torch.full_like(argmax, -1))
+    mix_hard_labels(probs, draft_arg, hard_label_weight)
     row = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
     row.index_copy_(0, needed_index, torch.arange(N, device=final.device))
     arg = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
     arg.index_copy_(0, needed_index, draft_arg)
     return probs, row.view(B, L), arg.view(B, L)
+
+
+def mix_hard_labels(probs: torch.Tensor, draft_arg: torch.Tensor, weight: float) -> torch.Tensor:
+    """probs [N, Vd] -> (1 - weight) * probs + weight * one_hot(draft_arg), in place, on rows with draft_arg >= 0.
+
+    Rows whose argmax lies outside the draft vocabulary are never trained (step_targets) and stay as they are.
+    No host sync: the one-hot is a scatter of weight (0 on the skipped rows).
+    """
+    if weight <= 0:
+        return probs
+    has_arg = draft_arg >= 0
+    probs.mul_(torch.where(has_arg, 1.0 - weight, 1.0).to(probs.dtype)[:, None])
+    probs.scatter_add_(1, draft_arg.clamp(min=0)[:, None], (has_arg.to(probs.dtype) * weight)[:, None])
+    return probs
 
 
 def needed_targets(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -275,10 +293,11 @@ class TTTObjective(torch.nn.Module):
     """
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
-                 recompute_mlp: bool = False, compile: bool = False):
+                 recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay = steps, decay
+        self.hard_label_weight = hard_label_weight  # train_step's labels: eyrie.training.objective.mix_hard_labels
         self.attention, self.chunked_loss, self.recompute_mlp = attention, chunked_loss, recompute_mlp
         if compile:
             from eyrie.training.compiled_layers import CompiledLayers
@@ -321,7 +340,8 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     steps, decay = inner.steps, inner.decay
     weight = float(batch.get("weight", 1.0))
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
-    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
+    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d,
+                                                               hard_label_weight=inner.hard_label_weight)
     targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(steps)]
     counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
     if distributed:
