@@ -176,9 +176,10 @@ def test_hard_labels_mix_a_one_hot_on_the_targets_argmax_into_its_distribution(w
 def test_hard_label_weight_one_trains_on_the_targets_argmax_alone(tmp_path):
     """w = 1: the loss of a training step is the cross-entropy of the draft logits against the target's argmax, computed
     here from the drafter's own logits; training with it writes other weights than soft labels and records the setting."""
+    from training.test_train import tiny_model
+
     from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, ttt_hidden
     from eyrie.training.optimizer import make_optimizer
-    from training.test_train import tiny_model
 
     g = torch.Generator().manual_seed(4)
     B, L, H, V = 2, 13, 32, 120
