@@ -435,6 +435,66 @@ def test_parity_needs_a_recorded_prediction(tmp_path):
     assert parity(None, 1.2, 3, 0.15, gated=True)["simulated"] is None  # an in-memory drafter
 
 
+def save_parity_samples(drafter_dir, samples: list[dict]) -> None:
+    """parity_samples.json beside a saved drafter, its digest in config.json's eyrie.files, as training writes them."""
+    from eyrie.core.atomic import write_json_atomically
+    from eyrie.core.digest import file_digest
+
+    write_json_atomically(drafter_dir / "parity_samples.json", {"source": "held-out cache samples", "k": [1, 2, 3], "samples": samples})
+    config = json.loads((drafter_dir / "config.json").read_text())
+    config["eyrie"]["files"] = {"parity_samples.json": file_digest(drafter_dir / "parity_samples.json")}
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_the_gate_serves_trainings_own_held_out_prompts_and_judges_like_with_like(tmp_path, model_dir, target, drafter):
+    """A drafter with parity samples: their prompts are decoded with the chain for as many tokens as each reply held, and the
+    gate sets that beside the walk over exactly those replies; the benchmark's own prompts are recorded beside, not judged.
+    A walk far above what serving gives fails the job naming like-with-like; the walk equal to it passes."""
+    from eyrie.bench.benchmark import ParityGapError
+    from eyrie.target.chat_template import render
+    from eyrie.target.model import template_fingerprint
+
+    _, tokenizer = target
+    summary = {**SUMMARY, "walked_first_turn_length": [1.2, 1.3, 1.4], "walked_first_turn_rounds": [40, 40, 40]}
+    prompt_ids = tokenizer(render(tokenizer, PROMPTS[0]["messages"], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    walked = [{"id": f"s{i}", "prompt_ids": prompt_ids[: len(prompt_ids) - i], "reply_tokens": 6, "rounds": [5] * 3, "emitted": [10, 12, 14]}
+              for i in range(8)]
+    cfg = {**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "ngram": False}
+    drafter_dir = save_drafter(drafter, tmp_path / "far", template_fingerprint(tokenizer), simulated_acceptance=summary)
+    save_parity_samples(drafter_dir, walked)
+    out = tmp_path / "far.json"
+    with pytest.raises(ParityGapError, match="on the prompts of 8 of its own held-out cache samples, served here"):
+        run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS, benchmark_name="local", bench_cfg=cfg,
+                      out_path=out, template_sha256_expected=template_fingerprint(tokenizer), device="cpu")
+    failed = json.loads((tmp_path / "far.failed.json").read_text())
+    block = failed["parity"]
+    served = block["served"]
+    assert block["form"] == "served_parity_samples" and block["judged"] and block["eval_samples"] == served["samples"] == 8
+    assert block["simulated"] == served["simulated"] == pytest.approx(14 / 5)
+    rows = served["per_sample"]
+    assert [r["id"] for r in rows] == [f"s{i}" for i in range(8)] and all(1 <= r["emitted"] <= 6 for r in rows)
+    assert block["measured"] == pytest.approx(sum(r["emitted"] for r in rows) / sum(r["rounds"] for r in rows))
+    own = block["heldout_prompts"]
+    assert own["simulated"] == 1.4 and own["form"] == "walked_first_turn_length" and own["measured"] == pytest.approx(failed["mean_acceptance_length"])
+    assert "parity (8 held-out cache samples)" in failed["phase_seconds"]  # untimed, after the timed decoding
+
+    # The same replies walked as serving decoded them: no gap, judged, passed.
+    equal = [{**sample, "rounds": [r["rounds"]] * 3, "emitted": [r["emitted"]] * 3} for sample, r in zip(walked, rows)]
+    drafter_dir = save_drafter(drafter, tmp_path / "equal", template_fingerprint(tokenizer), simulated_acceptance=summary)
+    save_parity_samples(drafter_dir, equal)
+    result = run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS, benchmark_name="local", bench_cfg=cfg,
+                           out_path=tmp_path / "equal.json", template_sha256_expected=template_fingerprint(tokenizer), device="cpu")
+    assert result["parity"]["judged"] and result["parity"]["gap"] == pytest.approx(0) and result["error"] is None
+    # HumanEval and MT-bench are not the training datasets: nothing is served for the gate there.
+    assert parity_prompts_for(drafter_dir, gated=False) == [] and len(parity_prompts_for(drafter_dir, gated=True)) == 8
+
+
+def parity_prompts_for(drafter_dir, gated: bool) -> list:
+    from eyrie.bench.parity import parity_prompts
+
+    return parity_prompts(drafter_dir, 3, 0.15, gated)
+
+
 def test_floor_block_times_greedy_beside_the_minimal_step(tmp_path, model_dir, drafter):
     """bench.floor: true on the CPU: both decoders ran on the same prompt, the ratio is theirs; auto leaves it out on the CPU."""
     cfg = {**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "ngram": False, "sweep": []}

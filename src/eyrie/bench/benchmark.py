@@ -30,7 +30,7 @@ from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import ngram_block, ngram_row
-from eyrie.bench.parity import measured_interval, parity
+from eyrie.bench.parity import measured_interval, parity, parity_prompts, serve_parity_samples
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
 from eyrie.core.atomic import write_json_atomically
@@ -395,7 +395,10 @@ def run_benchmark(
         text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
         encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
     check_drafter_logits(model, drafter, encoded[0][1], drafter_label)
-    engine, decoder, fallback = open_bench_decoder(model, cfg, encoded)
+    drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
+    gated = benchmark_name not in WHEEL_BENCHMARKS
+    served_prompts = parity_prompts(drafter_dir, cfg["draft_tokens"], cfg["max_parity_gap"], gated)
+    engine, decoder, fallback = open_bench_decoder(model, cfg, encoded + [(s["id"], s["prompt_ids"]) for s in served_prompts])
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
     greedy_paths = {}
@@ -407,6 +410,10 @@ def run_benchmark(
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
 
     summary = summarise(rows, cfg["draft_tokens"])
+    served = None
+    if served_prompts:  # untimed: the parity gate's like-with-like measurement (eyrie.bench.parity)
+        with phases(f"parity ({len(served_prompts)} held-out cache samples)"):
+            served = serve_parity_samples(engine, drafter, served_prompts, cfg["draft_tokens"], stop_ids_of(model, tokenizer))
     floor = None
     if cfg["floor"] is True or (cfg["floor"] == "auto" and model.device.type == "cuda"):
         with phases("floor"):
@@ -469,9 +476,8 @@ def run_benchmark(
                     f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
                 )
     mean = result["mean_acceptance_length"]
-    drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
-    result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=benchmark_name not in WHEEL_BENCHMARKS,
-                              interval=measured_interval(rows))
+    result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=gated, interval=measured_interval(rows),
+                              served=served)
     failure = None
     if mean is None or mean < cfg["min_acceptance_length"]:
         result["error"], failure = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path), DrafterNotEngagedError

@@ -43,6 +43,7 @@ _OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length", "wal
 # Training's forms of the prediction, the one nearest to what a decoder gets first (eyrie.training.acceptance).
 PREDICTION_FORMS = ("walked_length", "conditional_length", "length")
 READABLE_DIRECTORY = 0o755  # the drafter directory itself: listable by a server under another account
+PARITY_SAMPLES_FILE = "parity_samples.json"  # eyrie.training.parity_samples.FILE
 WRITTEN_BY = "train_drafter"  # the Snakemake rule that writes the drafter directory, named in read errors
 
 
@@ -121,10 +122,12 @@ def serving_config(config: dict, where: str | Path = "config.json") -> dict:
     return config
 
 
-def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], training_log: list[dict]) -> None:
+def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], training_log: list[dict],
+                     parity_samples: dict | None = None) -> None:
     """The drafter directory, swapped in whole: readers see the old checkpoint or the new one, never a mix.
 
     config.json is completed for both engines (serving_config) and the tensors are checked against it first.
+    parity_samples (eyrie.training.parity_samples) goes beside it as parity_samples.json, its digest in eyrie.files.
     """
     config_path = Path(out_dir) / "config.json"
     config = serving_config(config, config_path)
@@ -137,7 +140,11 @@ def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch
         write_safetensors_atomically(tensors, directory / "model.safetensors", {"format": "pt"})
         write_json_atomically(directory / "training_log.json", training_log, indent=1)
         # config.json last: it records the digest of training_log.json, a JSON list with no field of its own.
-        config.setdefault("eyrie", {})[FILES_KEY] = {"training_log.json": file_digest(directory / "training_log.json")}
+        files = {"training_log.json": file_digest(directory / "training_log.json")}
+        if parity_samples is not None:
+            write_json_atomically(directory / PARITY_SAMPLES_FILE, parity_samples, indent=None)
+            files[PARITY_SAMPLES_FILE] = file_digest(directory / PARITY_SAMPLES_FILE)
+        config.setdefault("eyrie", {})[FILES_KEY] = files
         write_json_atomically(directory / "config.json", config, indent=2)
         for path in directory.iterdir():
             os.chmod(path, READABLE)  # whatever the umask: a server under another account reads these
@@ -229,6 +236,46 @@ def read_simulated_acceptance(drafter_dir: str | Path) -> dict | None:
     if not isinstance(own, dict) or SIMULATED_ACCEPTANCE not in own:
         return None
     return check_simulated_acceptance(own[SIMULATED_ACCEPTANCE], config_path)
+
+
+def read_parity_samples(drafter_dir: str | Path) -> dict | None:
+    """parity_samples.json (training's held-out prompts with their walked first replies), checked against the digest config.json
+    records for it and for its shape; None for a drafter written without it."""
+    drafter_dir = Path(drafter_dir)
+    config = read_drafter_config(drafter_dir)
+    if PARITY_SAMPLES_FILE not in config.get("eyrie", {}).get(FILES_KEY, {}):
+        return None
+    path = drafter_dir / PARITY_SAMPLES_FILE
+    try:
+        verify_recorded_files(drafter_dir, config)
+        data = read_json(path, written_by=WRITTEN_BY, rebuild=drafter_dir)
+    except ArtifactError as exc:
+        raise CheckpointError(f"{exc}; {rebuild_hint(WRITTEN_BY, drafter_dir)}") from None
+    ks = data.get("k") if isinstance(data, dict) else None
+    if not isinstance(ks, list) or ks != list(range(1, len(ks) + 1)) or not isinstance(data.get("samples"), list):
+        raise CheckpointError(f"{path}: expected an object with k = [1, ..., ttt_steps] and a list of samples")
+    for i, sample in enumerate(data["samples"]):
+        problem = _parity_sample_problem(sample, len(ks))
+        if problem:
+            raise CheckpointError(f"{path}: samples[{i}]: {problem}; {rebuild_hint(WRITTEN_BY, drafter_dir)}")
+    return data
+
+
+def _parity_sample_problem(sample, steps: int) -> str | None:
+    if not isinstance(sample, dict):
+        return f"is a {type(sample).__name__}, not an object"
+    ids = sample.get("prompt_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return "prompt_ids is not a non-empty list of token ids"
+    if not isinstance(sample.get("reply_tokens"), int) or sample["reply_tokens"] < 2:
+        return f"reply_tokens is {sample.get('reply_tokens')!r}, expected a count of at least 2"
+    rounds, emitted = sample.get("rounds"), sample.get("emitted")
+    for name, values in (("rounds", rounds), ("emitted", emitted)):
+        if not isinstance(values, list) or len(values) != steps or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return f"{name} is not a list of {steps} counts"
+    if any(not r <= e <= r * (k + 1) for k, (r, e) in enumerate(zip(rounds, emitted), 1)):
+        return "emitted is not between rounds and rounds x (k + 1) for every k"
+    return None
 
 
 def predicted_lengths(summary: dict) -> tuple[str, list]:

@@ -433,6 +433,9 @@ def _parity_figures(data) -> dict[str, Any] | None:
     interval = data.get("interval")  # the measurement's 95% interval over its prompts; absent before it was recorded
     valid = isinstance(interval, list) and len(interval) == 2 and all(number(v) is not None for v in interval)
     figures["interval"] = [number(v) for v in interval] if valid else None
+    own = data.get("heldout_prompts")  # the benchmark's own prompts beside a like-with-like judgement; absent before it
+    figures["heldout_prompts"] = ({key: number(own.get(key)) for key in ("measured", "simulated", "gap")}
+                                  if isinstance(own, dict) and number(own.get("measured")) is not None else None)
     return figures
 
 

@@ -81,8 +81,39 @@ def walk_rounds(runs: list[int], starts: list[bool], k: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def batch_counts(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool) -> torch.Tensor:
-    """[6, steps] int64 of one batch: per step hits and measured positions, the chain's hits and reach, and the walked
-    chains' rounds and emitted tokens (see the module docstring)."""
+    """[8, steps] int64 of one batch: per step hits and measured positions, the chain's hits and reach, and the walked
+    chains' rounds and emitted tokens, over every turn and over first replies (see the module docstring)."""
+    counts, runs, starts, first_starts = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d, steps=steps,
+                                                        attention=attention, use_bf16=use_bf16)
+    for sample_runs, sample_starts, sample_first in zip(runs.tolist(), starts.tolist(), first_starts.tolist()):
+        for k in range(1, steps + 1):
+            for rounds_row, emitted_row, where in ((ROUNDS, EMITTED, sample_starts), (FIRST_ROUNDS, FIRST_EMITTED, sample_first)):
+                rounds, emitted = walk_rounds(sample_runs, where, k)
+                counts[rounds_row, k - 1] += rounds
+                counts[emitted_row, k - 1] += emitted
+    return counts
+
+
+@torch.no_grad()
+def first_reply_walks(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool) -> list[dict]:
+    """Per row of the batch: its first assistant reply's walked chains, {"rounds": [...], "emitted": [...]} for k = 1..steps
+    (the per-sample terms of walked_first_turn_length), with the prompt before that reply ("prompt_ids") and the reply's
+    length in tokens ("reply_tokens"): what a decoder serving the prompt replays (eyrie.training.parity_samples)."""
+    _, runs, _, first_starts = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d, steps=steps,
+                                              attention=attention, use_bf16=use_bf16)
+    reply = first_reply(batch["loss_mask"])
+    walks = []
+    for row, (sample_runs, sample_first) in enumerate(zip(runs.tolist(), first_starts.tolist())):
+        begins = int(reply[row].int().argmax())  # the reply's first token (a trained sample has one)
+        per_k = [walk_rounds(sample_runs, sample_first, k) for k in range(1, steps + 1)]
+        walks.append({"prompt_ids": batch["input_ids"][row, :begins].tolist(), "reply_tokens": int(reply[row].sum()),
+                      "rounds": [r for r, _ in per_k], "emitted": [e for _, e in per_k]})
+    return walks
+
+
+def _hits_and_runs(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool):
+    """(counts [8, steps] with the per-step rows filled, runs [B, L]: consecutive draft hits from each position, starts [B, L]:
+    where a round can start, first_starts [B, L]: the same within the first reply)."""
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
     _, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
     device_type = batch["aux"].device.type
@@ -104,13 +135,7 @@ def batch_counts(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: i
     # A round starts where the bonus token t+1 and the next token t+2 are assistant tokens (a stop ends decoding).
     starts = shift_left(loss_mask, 1, False) & shift_left(loss_mask, 2, False) & (torch.arange(L, device=loss_mask.device)[None, :] + 2 < lengths[:, None])
     first_starts = starts & shift_left(first_reply(loss_mask), 2, False)
-    for sample_runs, sample_starts, sample_first in zip(runs.tolist(), starts.tolist(), first_starts.tolist()):
-        for k in range(1, steps + 1):
-            for rounds_row, emitted_row, where in ((ROUNDS, EMITTED, sample_starts), (FIRST_ROUNDS, FIRST_EMITTED, sample_first)):
-                rounds, emitted = walk_rounds(sample_runs, where, k)
-                counts[rounds_row, k - 1] += rounds
-                counts[emitted_row, k - 1] += emitted
-    return counts
+    return counts, runs, starts, first_starts
 
 
 def first_reply(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ from eyrie.training.noise import add_hidden_noise
 from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.online import OnlineStates
 from eyrie.training.optimizer import learning_rate, make_optimizer
+from eyrie.training.parity_samples import parity_samples
 from eyrie.training.state import RunRecord, epoch_order, load_state, run_identity, save_state
 from eyrie.training.ttt_attention import resolve_attention
 
@@ -154,7 +155,8 @@ def train_drafter(
 
     compile_fallback = _train_steps(run, trainer, record, save, on_step, say, save_every_steps=save_every_steps, save_every_seconds=save_every_seconds)
     acceptance, kept = _kept_weights(run, trainer, record, _final_acceptance(run, trainer, record, say), say)
-    summary = _write_output(run, trainer, record, resumed_from, compile_fallback, acceptance, kept, out_dir, say)
+    parity = _parity_samples(run, trainer) if run.ranks.rank == 0 else None  # of the weights written
+    summary = _write_output(run, trainer, record, resumed_from, compile_fallback, acceptance, kept, out_dir, say, parity)
 
     # DDP's reducer holds the gloo group: freed with it, the group's destructor joins its worker threads
     # while holding the GIL that a worker needs to free its last tensors, and the rank hangs at exit
@@ -400,8 +402,16 @@ def _kept_weights(run: _Run, trainer: _Trainer, record: RunRecord, last: dict, s
     return record.best["evaluation"], kept
 
 
+def _parity_samples(run: _Run, trainer: _Trainer) -> dict | None:
+    """The first held-out samples' prompts and walked first replies, for the benchmark to serve (eyrie.training.parity_samples)."""
+    return parity_samples(
+        trainer.model, run.inputs.states, run.inputs.held_out, device=run.ranks.device, dtype=run.frozen_dtype, steps=run.ttt_steps,
+        target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids, t2d=trainer.t2d, attention=run.attention, use_bf16=run.use_bf16,
+    )
+
+
 def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from: int, compile_fallback: dict | None, acceptance: dict,
-                  kept: dict, out_dir: str, say: Callable[[str], None]) -> dict:
+                  kept: dict, out_dir: str, say: Callable[[str], None], parity: dict | None = None) -> dict:
     """The run's summary; rank 0 also writes the drafter directory (SGLang's config with eyrie's provenance, the weights, the log)."""
     metrics = final_metrics(record.log, run.steps_per_epoch, run.ttt_steps)
     summary = {
@@ -438,7 +448,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         SIMULATED_ACCEPTANCE: check_simulated_acceptance(acceptance, Path(out_dir) / "config.json"),
         "kept": kept,
     }
-    write_checkpoint(out_dir, config, tensors, record.log)
+    write_checkpoint(out_dir, config, tensors, record.log, parity_samples=parity)
     say(f"train: wrote {out_dir} ({run.total_steps} steps, {record.tokens} tokens, {summary['tokens_per_second']:.0f} tok/s)")
     return summary
 
