@@ -353,12 +353,15 @@ def float32_check(target_dir, drafter_dir_or_model, encoded, cfg: dict, stop_ids
             "sweep": settings, "lossless": not different and all(s["lossless"] for s in settings)}
 
 
-def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]]):
-    """(decoder both measurements use, its label, why the static one was not used or None), sized for every prompt."""
+def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]], parity_samples: list[dict] = ()):
+    """(decoder both measurements use, its label, why the static one was not used or None), sized for every prompt and for
+    each parity sample's prompt and reply (eyrie.bench.parity.serve_parity_samples)."""
     from eyrie.decoding.static import needed_capacity, open_decoder
 
     longest = max(len(ids) for _, ids in encoded)
-    capacity = needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), widest_draft(cfg["draft_tokens"], cfg.get("sweep")))
+    widest = widest_draft(cfg["draft_tokens"], cfg.get("sweep"))
+    capacity = max([needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), widest)]
+                   + [needed_capacity(len(s["prompt_ids"]), s["reply_tokens"], cfg["draft_tokens"]) for s in parity_samples])
     return open_decoder(model, cfg["decoder"], capacity, compile=cfg["compile"])
 
 
@@ -398,7 +401,7 @@ def run_benchmark(
     drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
     gated = benchmark_name not in WHEEL_BENCHMARKS
     served_prompts = parity_prompts(drafter_dir, cfg["draft_tokens"], cfg["max_parity_gap"], gated)
-    engine, decoder, fallback = open_bench_decoder(model, cfg, encoded + [(s["id"], s["prompt_ids"]) for s in served_prompts])
+    engine, decoder, fallback = open_bench_decoder(model, cfg, encoded, served_prompts)
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
     greedy_paths = {}
