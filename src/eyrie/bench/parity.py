@@ -130,7 +130,7 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
         causes = "; ".join(f"({i}) {cause}" for i, cause in enumerate(USUAL_CAUSES[:-1] if like_with_like else USUAL_CAUSES, 1))
         on = (f"on the prompts of {block['eval_samples']} of its own held-out cache samples, served here" if like_with_like
               else f"on {summary.get('eval_samples')} {summary.get('source')}")
-        more = "training keeps 16 parity samples" if like_with_like else "raise bench.prompts_per_dataset"
+        more = f"{block['eval_samples']} parity samples" if like_with_like else "raise bench.prompts_per_dataset"
         block["error"] = (
             f"measured acceptance length {measured:.3f} at k = {k} is {block['gap']:.0%} below the {simulated:.3f} training "
             f"predicted {on} (bench.max_parity_gap {max_gap:.0%}): the drafter is "
