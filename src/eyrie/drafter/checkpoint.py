@@ -32,7 +32,7 @@ import torch
 
 from eyrie.core.artifacts import ArtifactError, load_safetensors, read_json, rebuild_hint
 from eyrie.core.atomic import READABLE, write_directory_atomically, write_json_atomically, write_safetensors_atomically
-from eyrie.core.digest import FILES_KEY, file_digest, verify_recorded_files
+from eyrie.core.digest import FILES_KEY, file_digest, recorded_files, verify_recorded_files
 from eyrie.core.errors import EyrieError
 from eyrie.drafter.model import ARCHITECTURE, DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import AuxLayerError, sglang_version_caveat, vllm_layer_ids
@@ -43,7 +43,7 @@ _OPTIONAL_ACCEPTANCE_LISTS = ("conditional_accuracy", "conditional_length", "wal
 # Training's forms of the prediction, the one nearest to what a decoder gets first (eyrie.training.acceptance).
 PREDICTION_FORMS = ("walked_length", "conditional_length", "length")
 READABLE_DIRECTORY = 0o755  # the drafter directory itself: listable by a server under another account
-PARITY_SAMPLES_FILE = "parity_samples.json"  # eyrie.training.parity_samples.FILE
+PARITY_SAMPLES_FILE = "parity_samples.json"  # eyrie.training.parity_samples' record, beside config.json, which records its digest
 WRITTEN_BY = "train_drafter"  # the Snakemake rule that writes the drafter directory, named in read errors
 
 
@@ -243,7 +243,7 @@ def read_parity_samples(drafter_dir: str | Path) -> dict | None:
     records for it and for its shape; None for a drafter written without it."""
     drafter_dir = Path(drafter_dir)
     config = read_drafter_config(drafter_dir)
-    if PARITY_SAMPLES_FILE not in config.get("eyrie", {}).get(FILES_KEY, {}):
+    if PARITY_SAMPLES_FILE not in recorded_files(config):
         return None
     path = drafter_dir / PARITY_SAMPLES_FILE
     try:

@@ -4,10 +4,11 @@ The gate (eyrie.bench.parity) asks whether the drafter is served as it was train
 held-out prompts with the walk over the held-out cache samples mixes that question with another: the two
 are different prompts. On the H200 run, sixteen ShareGPT prompts served 1.70 against a walk of 1.98 over
 256 cache samples, while the first sixteen of those cache samples' own prompts, served, gave 1.945 against
-a walk of 1.949 on the same tokens (benchmarks/parity_probe.py --eval-samples). So training keeps, for the
-PARITY_SAMPLES held-out samples (spread over the cache), the prompt before each first assistant reply and that reply's walked
-chains for every k; the benchmark decodes those prompts and sets its acceptance beside the walk over exactly
-those replies. Only a serving difference (aux layers, template, d2t, rope) or numerics can part the two.
+a walk of 1.949 on the same tokens (benchmarks/parity_probe.py --eval-samples). So training keeps, for
+PARITY_SAMPLES held-out samples spread over the cache, the prompt before each first assistant reply and that
+reply's walked chains for every k (eyrie.drafter.checkpoint writes them beside the drafter); the benchmark
+decodes those prompts and sets its acceptance beside the walk over exactly those replies. Only a serving
+difference (aux layers, template, d2t, rope) or numerics can part the two.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from eyrie.training.acceptance import first_reply_walks
 from eyrie.training.holdout import HELD_OUT_SOURCE
 
 PARITY_SAMPLES = 16  # held-out samples kept: ~10 s of bf16 chain decoding on an H200 at 256-token replies
-FILE = "parity_samples.json"  # beside the drafter's config.json, which records its digest
 _BATCH = 4  # samples per forward: a few sequences of up to batch_tokens each
 
 

@@ -403,7 +403,7 @@ def _kept_weights(run: _Run, trainer: _Trainer, record: RunRecord, last: dict, s
 
 
 def _parity_samples(run: _Run, trainer: _Trainer) -> dict | None:
-    """The first held-out samples' prompts and walked first replies, for the benchmark to serve (eyrie.training.parity_samples)."""
+    """Some held-out samples' prompts and walked first replies, for the benchmark to serve (eyrie.training.parity_samples)."""
     return parity_samples(
         trainer.model, run.inputs.states, run.inputs.held_out, device=run.ranks.device, dtype=run.frozen_dtype, steps=run.ttt_steps,
         target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids, t2d=trainer.t2d, attention=run.attention, use_bf16=run.use_bf16,
