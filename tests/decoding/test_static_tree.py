@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from decoding.test_static import tiny_drafter, tiny_model
@@ -10,7 +12,8 @@ from decoding.test_tree import SHAPES, check_result, random_drafter, tiny_target
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.graphs import cuda_graphs_usable
 from eyrie.decoding.static import StaticLlama
-from eyrie.decoding.tree import tree_speculative_decode
+from eyrie.decoding.static_tree import StaticTree
+from eyrie.decoding.tree import TreeShape, tree_speculative_decode
 
 ALL_SHAPES = SHAPES + [(1, 3, 3), (2, 2, 7), (6, 8, 32)]
 
@@ -55,15 +58,53 @@ def test_accepted_paths_leave_the_first_branch():
     assert sum(static.acceptance_lengths) / static.rounds > sum(chain.acceptance_lengths) / chain.rounds
 
 
-def test_topk_1_is_the_static_chain():
+def test_a_chain_setting_runs_on_the_chain_rounds_which_draft_what_a_one_wide_tree_drafts():
+    """(S, 1, S + 1) is a chain of S: tree_decode runs it on the chain's rounds (fused, fewer kernels per step). The
+    tree's own rounds with K = 1 and the host-built reference give the same tokens and accepted lengths, so the
+    routing changes the speed only."""
     model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
     drafter = tiny_drafter(model)
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    eagle = engine.drafter_for(drafter)
     for steps in (1, 3):
         chain = speculative_decode(engine, drafter, prompt, 40, set(), draft_tokens=steps)
-        tree = tree_decode(engine, drafter, prompt, 40, set(), steps, 1, steps + 1)
-        assert tree.tokens == chain.tokens and tree.acceptance_lengths == chain.acceptance_lengths
+        routed = tree_decode(engine, drafter, prompt, 40, set(), steps, 1, steps + 1)
+        with torch.inference_mode():  # as tree_decode runs it
+            one_wide = StaticTree(eagle, TreeShape(steps, 1, steps + 1)).decode(prompt, 40, set())
+        reference = tree_speculative_decode(model, drafter, prompt, 40, set(), steps, 1, steps + 1)
+        for result in (routed, one_wide, reference):
+            assert result.tokens == chain.tokens and result.acceptance_lengths == chain.acceptance_lengths
+        assert steps in eagle.rounds
+    assert not eagle.trees  # the routed settings built no tree rounds
+    assert max(chain.acceptance_lengths) > 1  # drafts were accepted: the comparison covers accepted paths
+
+
+def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_rounds():
+    """With compile, each drafting step runs the drafter's compiled pieces (its layer for K rows, its head with the
+    top-K), as the chain's steps do; the tokens and accepted lengths are the eager rounds'."""
+    model = tiny_target(vocab_size=300)
+    drafter = random_drafter(model, 100, scale=0.2)
+    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    steps, topk, draft_tokens = 3, 2, 6
+    eager = tree_decode(StaticLlama(model, capacity=128, cuda_graphs=False), drafter, prompt, 30, set(), steps, topk, draft_tokens)
+    engine = StaticLlama(model, capacity=128, cuda_graphs=False, compile=True)
+    eagle = engine.drafter_for(drafter)
+    calls = Counter()
+
+    def counted(name, piece):
+        def run(*args):
+            calls[name] += 1
+            return piece(*args)
+        return run
+
+    eagle._fused = {name: counted(name, piece) for name, piece in eagle._fused.items()}
+    fused = tree_decode(engine, drafter, prompt, 30, set(), steps, topk, draft_tokens)
+    assert fused.tokens == eager.tokens and fused.acceptance_lengths == eager.acceptance_lengths
+    assert eagle.fusion_failure is None
+    rounds = len(fused.acceptance_lengths)
+    # Per round: the extend and S - 1 frontier steps through the layer's pieces; the root's and each step's top-K.
+    assert calls["_inputs"] == calls["_outputs"] == calls["_top"] == rounds * steps
 
 
 def test_stops_budget_spans_and_capacity_growth():

@@ -360,7 +360,8 @@ class StaticEagle3:
         # draft step was ~0.3 ms on an H200 unfused, about six of the target's fused layers). Attention stays eager.
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
         if target.compile:
-            self._fused = {name: torch.compile(getattr(self, name), dynamic=False, mode=COMPILE_MODE) for name in ("_inputs", "_outputs", "_token")}
+            pieces = ("_inputs", "_outputs", "_token", "_top")  # _top: eyrie.decoding.static_tree's drafting steps
+            self._fused = {name: torch.compile(getattr(self, name), dynamic=False, mode=COMPILE_MODE) for name in pieces}
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
@@ -399,6 +400,10 @@ class StaticEagle3:
 
     def _token(self, out):
         return self.drafter.draft_ids_to_target(self.drafter.head(out).argmax(-1))
+
+    def _top(self, out, k: int):
+        """(log-probabilities, draft ids) of the k likeliest draft tokens after each row of out (1, T, H): (T, k) each."""
+        return torch.log_softmax(self.drafter.head(out)[0].float(), dim=-1).topk(k, dim=-1)
 
     def _piece(self, name: str, *args):
         """Piece `name`, compiled while the target fuses a step (StaticLlama.step_function), else eager. A piece that

@@ -34,8 +34,10 @@ class StaticTree:
     """The buffers and graphs of tree rounds of one shape, for one drafter on one target.
 
     With the target's compile=True the verify's layers run fused like greedy steps and chain rounds (two compiled
-    pieces per layer, shared by every layer and span, eyrie.decoding.static.StaticLlama.step_function); the drafter's
-    S - 1 tree steps with their sorts stay eager: inductor took minutes per setting over a whole tree round on the CPU.
+    pieces per layer, shared by every layer and span, eyrie.decoding.static.StaticLlama.step_function), and so do the
+    drafter's tree steps: its layer in the chain's two pieces (for K rows instead of 1) and its head with the
+    log-softmax and top-K in a third (StaticEagle3._top). The sorts, the masks and the accept stay eager inside the
+    graph: inductor took minutes per setting over a whole tree round on the CPU.
     """
 
     def __init__(self, drafter: StaticEagle3, shape: TreeShape):
@@ -74,8 +76,7 @@ class StaticTree:
         """Run the K frontier nodes at depth `depth`: (pre-norm outputs (1, K, H), their ancestry with their own slots)."""
         K, drafter = self.shape.topk, self.drafter.drafter
         attention = drafter.midlayer.self_attn
-        x, cos, sin = drafter.layer_inputs(hidden, tokens[None], (last + depth).expand(K)[None])
-        q, k, v = attention.project(x, cos, sin)  # (1, h, K, hd)
+        q, k, v = self.drafter._piece("_inputs", hidden, tokens[None], (last + depth).expand(K))  # (1, h, K, hd)
         first = (depth - 1) * K  # this step's tree slots
         self.tree_keys[:, :, first : first + K] = k
         self.tree_values[:, :, first : first + K] = v
@@ -86,15 +87,16 @@ class StaticTree:
             (self.drafter.keys[:, :, :span], self.drafter.values[:, :, :span], seen.expand(1, 1, K, span)),
             (self.tree_keys, self.tree_values, ancestry[None, None]),
         ]
-        return drafter.layer_output(hidden, attention.attend(q, blocks)), ancestry
+        return self.drafter._piece("_outputs", hidden, attention.attend(q, blocks)), ancestry
 
-    def _log_probs(self, out):
-        return torch.log_softmax(self.drafter.drafter.head(out)[0].float(), dim=-1)  # (T, draft vocab)
+    def _top(self, out):
+        """(log-probabilities, draft ids) of the K likeliest draft tokens after each row of out (1, T, H): (T, K) each."""
+        return self.drafter._piece("_top", out, self.shape.topk)
 
     def _grow(self, out_root, last, span: int):
         """(target ids, parent node (`nodes` for the root), cumulative log-probability) of every node, in drafting order."""
         S, K, drafter = self.shape.steps, self.shape.topk, self.drafter.drafter
-        scores, ids = self._log_probs(out_root)[0].topk(K)
+        scores, ids = (top[0] for top in self._top(out_root))
         # The root's children get parent `nodes`: row_of[nodes] is row 0, the current token.
         tokens, parents, all_scores = [drafter.draft_ids_to_target(ids)], [torch.full_like(ids, self.nodes)], [scores]
         frontier = torch.arange(K, device=ids.device)  # node indices, best first
@@ -104,7 +106,7 @@ class StaticTree:
         for depth in range(1, S):
             node_tokens = torch.cat(tokens).index_select(0, frontier)
             out, ancestry = self._frontier_step(hidden, node_tokens, ancestry, last, depth, span)
-            top, child_ids = self._log_probs(out).topk(K, dim=-1)  # (K, K)
+            top, child_ids = self._top(out)  # (K, K)
             cumulative = (torch.cat(all_scores).index_select(0, frontier)[:, None] + top).flatten()
             tokens.append(drafter.draft_ids_to_target(child_ids).flatten())
             parents.append(frontier.repeat_interleave(K))
@@ -213,6 +215,8 @@ def tree_decode(target: StaticLlama, drafter: Eagle3Drafter, prompt_ids: list[in
         raise TypeError(f"the static decoder drafts trees with an Eagle3Drafter, not {type(drafter).__name__}; "
                         "use eyrie.decoding.tree.tree_speculative_decode on the transformers model for drafter doubles")
     shape = TreeShape(steps, topk, draft_tokens)
+    if topk == 1 and draft_tokens == steps + 1:  # a chain of S drafts: the chain's round drafts the same tokens, in fewer kernels
+        return target.speculative_decode(drafter, prompt_ids, max_new_tokens, stop_ids, steps)
     target.ensure_capacity(needed_capacity(len(prompt_ids), max_new_tokens, max(draft_tokens, steps + 1)))
     static_drafter = target.drafter_for(drafter)
     if shape not in static_drafter.trees:
