@@ -46,6 +46,7 @@ SMALLEST_SPAN = 256  # attention spans are this times a power of two (or the who
 # Inductor's default mode: it fuses the small kernels, cuBLAS keeps the matrix products, Replay captures the
 # step. With max-autotune-no-cudagraphs the H200 was still tuning after 9.5 minutes (floor, greedy and round steps).
 COMPILE_MODE = None
+RECOMPILE_LIMIT = 64  # compiled step widths per piece: far more than any sweep uses
 
 
 class UnsupportedTargetError(EyrieError):
@@ -144,6 +145,9 @@ class StaticLlama:
         self.compile = bool(compile)
         self.fusing = False  # set while a step function runs: run_layers then takes the compiled layer pieces
         if self.compile:
+            # Each step width (greedy 1, a chain's k + 1, a tree's K, S + 1 and N) is one more compile of the same pieces;
+            # a sweep reaches dynamo's default limit of 8, past which it runs them unfused without a word.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._fused_project = torch.compile(self._project, dynamic=False, mode=COMPILE_MODE)
             self._fused_finish = torch.compile(self._finish, dynamic=False, mode=COMPILE_MODE)
         self._greedy_step_fn = self.step_function(self._greedy_step)
