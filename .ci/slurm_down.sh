@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # CI: stop the daemons that .ci/slurm_up.sh started (and only those), by PID. Idempotent.
 # Jobs still queued or running on the cluster are cancelled first when this script's slurmctld is the one serving.
+# Then the slurm.conf that slurm_up.sh wrote goes too, once no SLURM daemon runs: left behind, it names a controller
+# that no longer answers, and every Snakemake start then waits ~9 s in the SLURM executor plugin's `scontrol show
+# config` (docs/PERFORMANCE.md, "The DAG at scale").
 set -uo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -8,7 +11,16 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 STATE=/run/eyrie-ci-slurm
-[ -s "$STATE/started" ] || { echo "slurm_down: nothing started by slurm_up.sh" >&2; exit 0; }
+CONF=/etc/slurm/slurm.conf
+MARKER="# written by eyrie .ci/slurm_up.sh"
+
+remove_our_conf() {
+    if [ -f "$CONF" ] && grep -qF "$MARKER" "$CONF" && ! pgrep -x slurmctld >/dev/null && ! pgrep -x slurmd >/dev/null; then
+        rm -f "$CONF" && echo "slurm_down: removed $CONF (written by slurm_up.sh)" >&2
+    fi
+}
+
+[ -s "$STATE/started" ] || { echo "slurm_down: nothing started by slurm_up.sh" >&2; remove_our_conf; exit 0; }
 
 if grep -q '^slurmctld ' "$STATE/started"; then
     squeue -h -o %i 2>/dev/null | xargs -r scancel 2>/dev/null || true
@@ -29,3 +41,4 @@ tac "$STATE/started" | while read -r name pid; do
     echo "slurm_down: stopped $name ($pid)" >&2
 done
 rm -f "$STATE/started"
+remove_our_conf
