@@ -382,16 +382,16 @@ class StaticEagle3:
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
         """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,), attending to `span` slots."""
         span = self.capacity if span is None else span
-        q, k, v = self._piece("_inputs", hidden, ids, positions)  # (1, h, T, hd)
+        q, k, v = self.piece("_inputs", hidden, ids, positions)  # (1, h, T, hd)
         self.keys.index_copy_(2, positions, k)
         self.values.index_copy_(2, positions, v)
         mask = self.slots[None, None, None, :span] <= positions[None, None, :, None]  # (1, 1, T, span)
         attended = self.drafter.midlayer.self_attn.attend(q, [(self.keys[:, :, :span], self.values[:, :, :span], mask)])
-        return self._piece("_outputs", hidden, attended)
+        return self.piece("_outputs", hidden, attended)
 
     def draft_token(self, out: torch.Tensor) -> torch.Tensor:
         """Target id (1, 1) of the drafter's greedy token after its output out (1, 1, H)."""
-        return self._piece("_token", out)
+        return self.piece("_token", out)
 
     # The pieces forward and draft_token are made of: the drafter's own methods, in the order Eagle3Drafter.decode calls them.
 
@@ -409,7 +409,7 @@ class StaticEagle3:
         """(log-probabilities, draft ids) of the k likeliest draft tokens after each row of out (1, T, H): (T, k) each."""
         return torch.log_softmax(self.drafter.head(out)[0].float(), dim=-1).topk(k, dim=-1)
 
-    def _piece(self, name: str, *args):
+    def piece(self, name: str, *args):
         """Piece `name`, compiled while the target fuses a step (StaticLlama.step_function), else eager. A piece that
         fails to compile turns fusion off for this drafter (fusion_failure says why): slower, never wrong."""
         if not (self.target.fusing and self.target.compile and self.fusion_failure is None):

@@ -76,7 +76,7 @@ class StaticTree:
         """Run the K frontier nodes at depth `depth`: (pre-norm outputs (1, K, H), their ancestry with their own slots)."""
         K, drafter = self.shape.topk, self.drafter.drafter
         attention = drafter.midlayer.self_attn
-        q, k, v = self.drafter._piece("_inputs", hidden, tokens[None], (last + depth).expand(K))  # (1, h, K, hd)
+        q, k, v = self.drafter.piece("_inputs", hidden, tokens[None], (last + depth).expand(K))  # (1, h, K, hd)
         first = (depth - 1) * K  # this step's tree slots
         self.tree_keys[:, :, first : first + K] = k
         self.tree_values[:, :, first : first + K] = v
@@ -87,11 +87,11 @@ class StaticTree:
             (self.drafter.keys[:, :, :span], self.drafter.values[:, :, :span], seen.expand(1, 1, K, span)),
             (self.tree_keys, self.tree_values, ancestry[None, None]),
         ]
-        return self.drafter._piece("_outputs", hidden, attention.attend(q, blocks)), ancestry
+        return self.drafter.piece("_outputs", hidden, attention.attend(q, blocks)), ancestry
 
     def _top(self, out):
         """(log-probabilities, draft ids) of the K likeliest draft tokens after each row of out (1, T, H): (T, K) each."""
-        return self.drafter._piece("_top", out, self.shape.topk)
+        return self.drafter.piece("_top", out, self.shape.topk)
 
     def _grow(self, out_root, last, span: int):
         """(target ids, parent node (`nodes` for the root), cumulative log-probability) of every node, in drafting order."""
