@@ -277,21 +277,21 @@ def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_laye
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * len(widths) + 2 * len(widths) + 1
 
 
-def test_every_step_width_of_a_sweep_runs_compiled(monkeypatch):
+def test_every_step_width_of_a_sweep_runs_compiled():
     """A sweep feeds the drafter's pieces many widths (1, each chain's k + 1, each tree's K and S + 1): more than
     dynamo's default of 8 compiles per function, past which it runs a piece unfused without a word (the tenth
     session's H200 sweep did). The engine raises the limit, so each width gets its compiled graph."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
-    eagle = StaticLlama(model, 64, cuda_graphs=False, compile=True).drafter_for(tiny_drafter(model))
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
     widths = range(1, 11)
-    with torch.inference_mode():
-        for width in widths:
-            eagle._fused["_top"](torch.randn(1, width, model.config.hidden_size), 2)
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default, whatever an earlier test left; restored after
+        eagle = StaticLlama(model, 64, cuda_graphs=False, compile=True).drafter_for(tiny_drafter(model))
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        with torch.inference_mode():
+            for width in widths:
+                eagle._fused["_top"](torch.randn(1, width, model.config.hidden_size), 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(widths)
 
 
