@@ -490,6 +490,33 @@ def test_the_gate_serves_trainings_own_held_out_prompts_and_judges_like_with_lik
     assert parity_prompts_for(drafter_dir, gated=False) == [] and len(parity_prompts_for(drafter_dir, gated=True)) == 8
 
 
+def test_a_benchmarks_own_prompts_are_set_beside_the_walk_of_their_own_dataset(tmp_path, target, drafter):
+    """Trained on several datasets, training walked each one's held-out samples alone: a held-out benchmark's own
+    prompts are recorded beside their dataset's walk, not the mixture's; the judged like-with-like figure is unchanged."""
+    from eyrie.bench.parity import parity
+    from eyrie.drafter.checkpoint import CheckpointError, read_simulated_acceptance
+    from eyrie.target.model import template_fingerprint
+
+    _, tokenizer = target
+    first = {"walked_first_turn_length": [1.2, 1.3, 1.4], "walked_first_turn_rounds": [40, 40, 40]}
+    by_dataset = {"sharegpt": {**SUMMARY, **first, "walked_first_turn_length": [1.1, 1.2, 1.25], "eval_samples": 9},
+                  "magpie": {**SUMMARY, **first, "walked_first_turn_length": [1.5, 1.7, 1.85], "eval_samples": 3}}
+    drafter_dir = save_drafter(drafter, tmp_path / "mixed", template_fingerprint(tokenizer),
+                               simulated_acceptance={**SUMMARY, **first, "by_dataset": by_dataset})
+    served = {"measured": 1.3, "simulated": 1.35, "interval": [1.2, 1.4], "samples": 8}
+    own = parity(drafter_dir, 1.0, 3, 0.15, gated=True, served=served, dataset="sharegpt")
+    assert own["heldout_prompts"]["simulated"] == 1.25 and own["heldout_prompts"]["dataset"] == "sharegpt"
+    assert own["heldout_prompts"]["eval_samples"] == 9 and own["heldout_prompts"]["gap"] == pytest.approx(1 - 1.0 / 1.25)
+    assert own["simulated"] == 1.35 and own["judged"] and own["gap"] == pytest.approx(1 - 1.3 / 1.35)  # the judged figure: served samples
+    whole = parity(drafter_dir, 1.0, 3, 0.15, gated=True, served=served, dataset="elsewhere")  # no walk of its own: the mixture's
+    assert whole["heldout_prompts"]["simulated"] == 1.4 and whole["heldout_prompts"]["dataset"] is None
+
+    broken = save_drafter(drafter, tmp_path / "broken", template_fingerprint(tokenizer),
+                          simulated_acceptance={**SUMMARY, "by_dataset": {"magpie": {**SUMMARY, "k": [1, 3, 2]}}})
+    with pytest.raises(CheckpointError, match=r"by_dataset\.magpie.*k is \[1, 3, 2\]"):
+        read_simulated_acceptance(broken)
+
+
 def parity_prompts_for(drafter_dir, gated: bool) -> list:
     from eyrie.bench.parity import parity_prompts
 

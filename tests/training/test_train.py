@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -1033,7 +1034,7 @@ def test_eval_counts_use_the_training_masking():
         assert (int(counts[CHAIN_REACH, j]), int(counts[CHAIN_HITS, j])) == (reach, hits), j
 
 
-def _cyclic_setup(tmp_path, n_samples=24, length=20, V=64, H=32, layers=8, period=16):
+def _cyclic_setup(tmp_path, n_samples=24, length=20, V=64, H=32, layers=8, period=16, cache="hidden.safetensors"):
     """A scripted cache: each sample walks one cycle of `period` tokens from its own start, and every state is a fixed
     function of its token, so the target's next token is a function of the drafter's input token at every TTT step:
     what training learns carries over to held-out samples."""
@@ -1046,10 +1047,45 @@ def _cyclic_setup(tmp_path, n_samples=24, length=20, V=64, H=32, layers=8, perio
         samples.append((tokens, [0, 0] + [1] * (length - 2)))
     ids = torch.tensor([t for tokens, _ in samples for t in tokens])
     target = make_target(tmp_path / "target", H=H, V=V, layers=layers)
-    cache = write_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers, sample_ids=[f"walk{k}" for k in range(n_samples)],
+    (tmp_path / cache).parent.mkdir(parents=True, exist_ok=True)
+    cache = write_cache(tmp_path / cache, samples, H=H, layers=layers, sample_ids=[f"walk{k}" for k in range(n_samples)],
                         states=(aux_table[ids], final_table[ids]))
     vocab = write_vocab(tmp_path / "vocab.safetensors", range(V), V)
     return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
+
+
+def test_held_out_samples_of_several_datasets_are_also_simulated_per_dataset(tmp_path):
+    """A run that mixes datasets reports each one's walk beside the whole, so it compares with a run on one of them."""
+    from eyrie.training.acceptance import acceptance_line
+    from eyrie.training.inputs import read_inputs
+
+    inputs = _cyclic_setup(tmp_path, cache="hidden/cyclic/0000.safetensors")  # learnable: states are a function of the token
+    (tmp_path / "hidden" / "noise").mkdir()
+    noise = write_cache(tmp_path / "hidden" / "noise" / "0000.safetensors", random_samples(24, 20, 64, seed=5), H=32, layers=8,
+                        sample_ids=[f"noise{k}" for k in range(24)], seed=5)  # random states: the target's next token is noise
+    inputs["hidden_paths"] = [noise, *inputs["hidden_paths"]]
+    read = read_inputs(hidden_paths=inputs["hidden_paths"], vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"],
+                       drafter_cfg={"ttt_steps": 3}, batch_tokens=100, template_sha256=TEMPLATE, target_fingerprint=FINGERPRINT,
+                       eval_fraction=0.2)
+    assert sorted(set(read.eval_datasets)) == ["cyclic", "noise"] and len(read.eval_datasets) == len(read.eval_batches)
+    paths = read.states.paths
+    assert all({Path(paths[s]).parent.name for s, _, _ in batch} == {name} for batch, name in zip(read.eval_batches, read.eval_datasets))
+    one = read_inputs(hidden_paths=[noise], vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"], drafter_cfg={"ttt_steps": 3},
+                      batch_tokens=100, template_sha256=TEMPLATE, target_fingerprint=FINGERPRINT, eval_fraction=0.2)
+    assert one.held_out and one.eval_datasets == []  # one dataset: the whole is the dataset
+
+    run(tmp_path, inputs, train={"epochs": 10, "learning_rate": 1e-2, "batch_tokens": 100, "eval_fraction": 0.2, "log_every": 5})
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    last = [e for entry in log for e in entry.get("eval", [])][-1]
+    cyclic, noisy = last["by_dataset"]["cyclic"], last["by_dataset"]["noise"]
+    # The datasets partition the whole: their samples and walked rounds add up to it.
+    assert cyclic["eval_samples"] + noisy["eval_samples"] == last["eval_samples"] and min(cyclic["eval_samples"], noisy["eval_samples"]) >= 1
+    for key in ("walked_rounds", "walked_first_turn_rounds", "positions_per_step"):
+        assert [a + b for a, b in zip(cyclic[key], noisy[key])] == last[key], key
+    # The learnable dataset walks far further than the noise, and the whole lies between them.
+    assert cyclic["walked_first_turn_length"][-1] > noisy["walked_first_turn_length"][-1] + 1
+    assert noisy["walked_first_turn_length"][-1] < last["walked_first_turn_length"][-1] < cyclic["walked_first_turn_length"][-1]
+    assert "; cyclic alone, walked over first replies " in acceptance_line(last) and "; noise alone" in acceptance_line(last)
 
 
 def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_samples(tmp_path):

@@ -480,7 +480,7 @@ def run_benchmark(
                 )
     mean = result["mean_acceptance_length"]
     result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=gated, interval=measured_interval(rows),
-                              served=served)
+                              served=served, dataset=benchmark_name if gated else None)
     failure = None
     if mean is None or mean < cfg["min_acceptance_length"]:
         result["error"], failure = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path), DrafterNotEngagedError

@@ -92,7 +92,7 @@ def serve_parity_samples(engine, drafter, samples: list[dict], k: int, stop_ids)
 
 
 def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_gap: float | None, gated: bool,
-           interval: list[float] | None = None, served: dict | None = None) -> dict:
+           interval: list[float] | None = None, served: dict | None = None, dataset: str | None = None) -> dict:
     """{k, simulated, measured, interval, gap, max_gap, judged, not_judged_because, source, eval_samples, error}:
     gap = 1 - measured / simulated; interval: measured_interval's, recorded and named in the error.
 
@@ -103,6 +103,10 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
     before it, the walked length over every turn, the conditional or the product form (both per position, and
     optimistic: eyrie.training.acceptance). No drafter directory (an in-memory drafter),
     a drafter trained before training recorded it, or k beyond the trained steps: nothing to compare.
+
+    dataset: the training dataset whose held-out prompts the benchmark served. Where training also walked that
+    dataset's held-out samples alone (a run on several datasets), the recorded comparison on the benchmark's own
+    prompts (heldout_prompts) is with that walk; the judged one is unchanged.
     """
     block = {"k": k, "simulated": None, "form": None, "measured": measured, "interval": interval, "gap": None, "max_gap": max_gap, "judged": False,
              "not_judged_because": "training recorded no prediction for this k", "source": None, "eval_samples": None, "error": None}
@@ -115,8 +119,15 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
     block.update(simulated=simulated, form=form, source=summary.get("source"), eval_samples=summary.get("eval_samples"))
     if served is not None and served.get("measured") is not None and served.get("simulated") is not None:
         # Like with like: the benchmark's own prompts are recorded beside, not judged.
-        block["heldout_prompts"] = {"measured": measured, "simulated": simulated, "form": form, "interval": interval,
-                                    "gap": 1.0 - measured / simulated if measured is not None and simulated else None}
+        own = summary.get("by_dataset", {}).get(dataset) if dataset else None  # checked by read_simulated_acceptance
+        if own is not None and k in own["k"] and first_turn_prediction(own)[1][index] is not None:
+            own_form, own_lengths = first_turn_prediction(own)
+            prompts_side = {"simulated": own_lengths[index], "form": own_form, "dataset": dataset, "eval_samples": own["eval_samples"]}
+        else:
+            prompts_side = {"simulated": simulated, "form": form, "dataset": None, "eval_samples": summary.get("eval_samples")}
+        own_simulated = prompts_side["simulated"]
+        block["heldout_prompts"] = {"measured": measured, "interval": interval, **prompts_side,
+                                    "gap": 1.0 - measured / own_simulated if measured is not None and own_simulated else None}
         measured, simulated, interval = served["measured"], served["simulated"], served["interval"]
         block.update(measured=measured, simulated=simulated, interval=interval, form=SERVED_FORM, eval_samples=served["samples"],
                      served=served)

@@ -223,8 +223,13 @@ def check_simulated_acceptance(summary, where: str | Path) -> dict:
         problems.append(f"eval_samples is {samples!r}, expected a count")
     if "source" in summary and not isinstance(summary["source"], str):
         problems.append(f"source is {summary['source']!r}, expected a string")
+    by_dataset = summary.get("by_dataset", {})  # a run on several datasets: each one's held-out samples alone
+    if not isinstance(by_dataset, dict) or any(not isinstance(v, dict) for v in by_dataset.values()):
+        problems.append(f"by_dataset is {by_dataset!r}, expected an object of summaries by dataset")
     if problems:
         raise CheckpointError(f"{where}: eyrie.{SIMULATED_ACCEPTANCE} is malformed: " + "; ".join(problems))
+    for name, own in by_dataset.items():
+        check_simulated_acceptance(own, f"{where} (by_dataset.{name})")
     return summary
 
 

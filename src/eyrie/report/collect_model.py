@@ -434,7 +434,8 @@ def _parity_figures(data) -> dict[str, Any] | None:
     valid = isinstance(interval, list) and len(interval) == 2 and all(number(v) is not None for v in interval)
     figures["interval"] = [number(v) for v in interval] if valid else None
     own = data.get("heldout_prompts")  # the benchmark's own prompts beside a like-with-like judgement; absent before it
-    figures["heldout_prompts"] = ({key: number(own.get(key)) for key in ("measured", "simulated", "gap")}
+    figures["heldout_prompts"] = ({**{key: number(own.get(key)) for key in ("measured", "simulated", "gap", "eval_samples")},
+                                   "dataset": own.get("dataset") if isinstance(own.get("dataset"), str) else None}
                                   if isinstance(own, dict) and number(own.get("measured")) is not None else None)
     return figures
 

@@ -145,25 +145,42 @@ def first_reply(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask & ~ended
 
 
-def simulate_acceptance(model, cache, batches: list, *, rank: int, world: int, device, dtype, source: str, samples: int, **forward) -> dict:
+def simulate_acceptance(model, cache, batches: list, *, rank: int, world: int, device, dtype, source: str, samples: int,
+                        datasets: list[str] | None = None, **forward) -> dict:
     """The simulated acceptance of the model on these batches (rank r takes batches r, r + world, ...), the same on every rank.
 
+    datasets: the dataset of each batch (each batch one dataset's samples); the result then also holds each dataset's own
+    summary under "by_dataset", so a run that mixes datasets can be compared with one that trained on one of them.
     forward: batch_counts' keyword arguments (target_lm_head, draft_ids, t2d, steps, attention, use_bf16).
     """
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
-    totals = torch.zeros(len(ROWS), forward["steps"], dtype=torch.int64, device=device)
+    names = sorted(set(datasets)) if datasets else []
+    # Row 0: every batch; row 1 + g: dataset g's batches. One tensor, so one all-reduce.
+    totals = torch.zeros(1 + len(names), len(ROWS), forward["steps"], dtype=torch.int64, device=device)
     try:
-        for refs in batches[rank::world]:
-            batch = cache.batch(refs, device, dtype=dtype)
-            totals += batch_counts(model, batch, **forward)
+        for index in range(rank, len(batches), world):
+            batch = cache.batch(batches[index], device, dtype=dtype)
+            counts = batch_counts(model, batch, **forward)
+            totals[0] += counts
+            if names:
+                totals[1 + names.index(datasets[index])] += counts
             del batch
     finally:
         model.train(was_training)
     if world > 1:
         torch.distributed.all_reduce(totals)
-    return acceptance_summary(totals.tolist(), source=source, samples=samples, seconds=time.perf_counter() - t0)
+    totals = totals.tolist()
+    result = acceptance_summary(totals[0], source=source, samples=samples, seconds=time.perf_counter() - t0)
+    if names:
+        result["by_dataset"] = {
+            name: acceptance_summary(totals[1 + g], source=source, samples=sum(len(b) for b, d in zip(batches, datasets) if d == name))
+            for g, name in enumerate(names)
+        }
+        for summary in result["by_dataset"].values():
+            del summary["seconds"]  # the time is the whole simulation's
+    return result
 
 
 def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, seconds: float = 0.0) -> dict:
@@ -207,4 +224,6 @@ def acceptance_line(result: dict) -> str:
         f"walked over first replies {figures(result.get('walked_first_turn_length') or [], 2)}; "
         f"step accuracy {figures(result['per_step_accuracy'], 3)} "
         f"({result['eval_samples']} {result['source']})"
+        + "".join(f"; {name} alone, walked over first replies {figures(d.get('walked_first_turn_length') or [], 2)} ({d['eval_samples']})"
+                  for name, d in (result.get("by_dataset") or {}).items())
     )

@@ -13,6 +13,7 @@ resume identity (eyrie.training.state.run_identity).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -310,6 +311,9 @@ class TrainingInputs:
     held_out: list[Sample] = field(default_factory=list)  # kept out of training (train.eval_fraction, eyrie.training.holdout)
     eval_batches: list[list[Sample]] = field(default_factory=list)  # what the simulated acceptance runs on: held_out, else a few training batches
     eval_note: str = ""  # the log line saying which, and why
+    # The dataset of each eval batch, when held-out samples of two or more datasets are simulated (each batch holds one
+    # dataset's): the simulation then also reports each dataset alone. Empty otherwise.
+    eval_datasets: list[str] = field(default_factory=list)
 
 
 def read_inputs(
@@ -355,13 +359,28 @@ def read_inputs(
     if not samples:
         raise TrainingInputError(f"train.eval_fraction {eval_fraction} holds out all {cache_samples} trainable samples; lower it")
     batches = _plan(samples, batch_tokens)
-    eval_batches = _plan(held_out, batch_tokens) if held_out else spread_batches(batches)
+    eval_batches, eval_datasets = _plan_by_dataset(held_out, states.paths, batch_tokens) if held_out else (spread_batches(batches), [])
     return TrainingInputs(states, target_config, d2t, t2d, vocab_manifest, shape, samples, batches, truncated, skipped,
-                          held_out, eval_batches, held_out_note(eval_fraction, cache_samples, len(held_out)))
+                          held_out, eval_batches, held_out_note(eval_fraction, cache_samples, len(held_out)),
+                          eval_datasets if len(set(eval_datasets)) > 1 else [])
+
+
+def dataset_of(shard_path: str) -> str:
+    """The dataset a shard belongs to: the name of its folder (results/hidden/<dataset>/, or results/tokens/<dataset>/ online)."""
+    return Path(shard_path).parent.name
 
 
 def _plan(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
     return [[samples[k] for k in b] for b in batches_by_tokens([n for _, _, n in samples], batch_tokens)]
+
+
+def _plan_by_dataset(samples: list[Sample], paths: list[str], batch_tokens: int) -> tuple[list[list[Sample]], list[str]]:
+    """Batches that each hold one dataset's samples, and the dataset of each (sorted by name)."""
+    groups: dict[str, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(dataset_of(paths[sample[0]]), []).append(sample)
+    planned = [(name, batch) for name in sorted(groups) for batch in _plan(groups[name], batch_tokens)]
+    return [batch for _, batch in planned], [name for name, _ in planned]
 
 
 def _check_inputs(*, states: StateSource, target_config, d2t, t2d, vocab_manifest: dict, vocab_path: str, drafter_cfg: dict, template_sha256: str,

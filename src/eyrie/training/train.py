@@ -361,7 +361,8 @@ def _simulate(run: _Run, trainer: _Trainer, step: int) -> dict:
     result = simulate_acceptance(
         trainer.model, inputs.states, inputs.eval_batches, rank=run.ranks.rank, world=run.ranks.world, device=run.ranks.device,
         dtype=run.frozen_dtype, source=HELD_OUT_SOURCE if inputs.held_out else TRAINING_SOURCE,
-        samples=sum(len(b) for b in inputs.eval_batches), target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
+        samples=sum(len(b) for b in inputs.eval_batches), datasets=inputs.eval_datasets,
+        target_lm_head=trainer.target_lm_head, draft_ids=trainer.draft_ids,
         t2d=trainer.t2d, steps=run.ttt_steps, attention=run.attention, use_bf16=run.use_bf16,
     )
     return {"epoch": step / run.steps_per_epoch, "step": step, **result}
