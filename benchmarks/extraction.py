@@ -32,8 +32,8 @@ import torch
 
 from eyrie.data.tokens import TOKENS_SCHEMA
 from eyrie.hidden.extract import _batch_inputs, _to_device, extract_shard, plan_token_batches
-from eyrie.target.states import _base_model
 from eyrie.target.aux_layers import default_aux_layer_ids
+from eyrie.target.states import _base_model
 
 TEMPLATE = "0" * 64  # the synthetic shard's template fingerprint; extract_shard only checks that it matches
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

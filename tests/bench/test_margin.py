@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from decoding.test_tree import tiny_target
+
 from eyrie.bench.margin import add_margins, top2_margin
 
 

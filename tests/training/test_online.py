@@ -173,7 +173,7 @@ def test_online_resumes_its_own_state_and_not_the_cache_runs(setup, tmp_path):
         train(setup, tmp_path, "online", "online", save_every_steps=2, on_step=crash_at_3)
     resumed = train(setup, tmp_path, "online", "online")
     assert resumed["resumed_from_step"] == 2
-    full = train(setup, tmp_path, "full", "online")
+    train(setup, tmp_path, "full", "online")  # the same run, uninterrupted
     a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "online" / "model.safetensors"))
     assert all(torch.equal(a[key], b[key]) for key in a)
     # The identity names the data: an offline run over the cache of the same shards starts over in that state directory.

@@ -120,8 +120,8 @@ def parity(drafter_dir: str | Path | None, measured: float | None, k: int, max_g
     if served is not None and served.get("measured") is not None and served.get("simulated") is not None:
         # Like with like: the benchmark's own prompts are recorded beside, not judged.
         own = summary.get("by_dataset", {}).get(dataset) if dataset else None  # checked by read_simulated_acceptance
-        if own is not None and k in own["k"] and first_turn_prediction(own)[1][index] is not None:
-            own_form, own_lengths = first_turn_prediction(own)
+        own_form, own_lengths = first_turn_prediction(own) if own is not None and k in own["k"] else (None, None)
+        if own_lengths and own_lengths[index] is not None:
             prompts_side = {"simulated": own_lengths[index], "form": own_form, "dataset": dataset, "eval_samples": own["eval_samples"]}
         else:
             prompts_side = {"simulated": simulated, "form": form, "dataset": None, "eval_samples": summary.get("eval_samples")}
