@@ -523,6 +523,18 @@ def parity_prompts_for(drafter_dir, gated: bool) -> list:
     return parity_prompts(drafter_dir, 3, 0.15, gated)
 
 
+def test_the_floors_cache_is_sized_in_powers_of_two_so_benchmarks_share_its_compiled_step():
+    """MT-bench's and HumanEval's first prompts (53 and 167 tokens, 256 new) needed 320 and 448 slots and compiled
+    twice; bucketed, both get 512. A bucket always holds what was needed, and never more than twice it (or 256)."""
+    from eyrie.bench.floor import floor_capacity
+
+    assert floor_capacity(53 + 256 + 2) == floor_capacity(167 + 256 + 2) == 512
+    assert [floor_capacity(n) for n in (1, 256, 257, 512, 513, 1790)] == [256, 256, 512, 512, 1024, 2048]
+    for needed in range(1, 5000, 7):
+        capacity = floor_capacity(needed)
+        assert needed <= capacity <= max(256, 2 * needed) and capacity & (capacity - 1) == 0
+
+
 def test_floor_block_times_greedy_beside_the_minimal_step(tmp_path, model_dir, drafter):
     """bench.floor: true on the CPU: both decoders ran on the same prompt, the ratio is theirs; auto leaves it out on the CPU."""
     cfg = {**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "ngram": False, "sweep": []}
@@ -532,6 +544,7 @@ def test_floor_block_times_greedy_beside_the_minimal_step(tmp_path, model_dir, d
     assert floor["error"] is None and floor["prompt"] == PROMPTS[0]["id"] and floor["new_tokens"] == 6
     assert floor["floor_ms_per_token"] > 0 and floor["greedy_ms_per_token"] > 0
     assert abs(floor["ratio"] - floor["greedy_ms_per_token"] / floor["floor_ms_per_token"]) < 1e-9
+    assert floor["capacity"] == 256 >= floor["prompt_tokens"] + 8  # the smallest bucket holds prompt, reply and two spare slots
     auto = run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[:1], benchmark_name="local",
                          bench_cfg=cfg, out_path=tmp_path / "auto.json", device="cpu")
     assert auto["floor"] is None

@@ -11,22 +11,34 @@ import statistics
 from eyrie.decoding.decode import greedy_decode
 from eyrie.decoding.floor import FloorDecoder
 from eyrie.decoding.graphs import cuda_graphs_usable
-from eyrie.decoding.static import StaticLlama, round_up
+from eyrie.decoding.static import SMALLEST_SPAN, StaticLlama
 
 WARMUPS, REPEATS = 2, 3
+
+
+def floor_capacity(needed: int) -> int:
+    """The floor's cache slots: the power of two that holds `needed` (at least SMALLEST_SPAN).
+
+    Inductor's cache keys a compiled step on its shapes, and compiling the floor's 30-layer step is most of its
+    time (on the H200 ~45 s of a ~50 s phase; on two CPU cores 97-112 s cold against 11-22 s from the cache). Sized
+    to the prompt, every benchmark compiled its own; in powers of two, benchmarks whose first prompts are near in
+    length share one. The extra slots are masked: a step's attention reads a few more rows of the cache.
+    """
+    return max(SMALLEST_SPAN, 1 << (needed - 1).bit_length())
 
 
 def floor_block(model, engine, prompt_id: str, prompt_ids: list[int], new_tokens: int, compile: bool) -> dict:
     """ms per greedy token of the floor and of `engine` (decode steps only, median of REPEATS after WARMUPS) and their ratio."""
     if not isinstance(engine, StaticLlama):
         return {"error": f"the floor is compared with the static decoder; this run used {getattr(engine, 'label', 'transformers')}"}
-    floor = FloorDecoder(model, round_up(len(prompt_ids) + new_tokens + 2), compile=compile, graphs=cuda_graphs_usable(engine.device))
+    capacity = floor_capacity(len(prompt_ids) + new_tokens + 2)
+    floor = FloorDecoder(model, capacity, compile=compile, graphs=cuda_graphs_usable(engine.device))
     runs = [floor.decode(prompt_ids, new_tokens) for _ in range(WARMUPS + REPEATS)][WARMUPS:]
     floor_ms = 1000 * statistics.median(seconds for _, seconds in runs) / (new_tokens - 1)
     # greedy_decode times its prefill too: take a prefill-only run's median off.
     greedy = [greedy_decode(engine, prompt_ids, new_tokens, set()).seconds for _ in range(WARMUPS + REPEATS)][WARMUPS:]
     prefill = statistics.median(greedy_decode(engine, prompt_ids, 1, set()).seconds for _ in range(REPEATS))
     greedy_ms = 1000 * (statistics.median(greedy) - prefill) / (new_tokens - 1)
-    return {"prompt": prompt_id, "prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "compiled": compile,
+    return {"prompt": prompt_id, "prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "compiled": compile, "capacity": capacity,
             "floor_ms_per_token": floor_ms, "greedy_ms_per_token": greedy_ms, "ratio": greedy_ms / floor_ms,
             "capture_failures": floor.failures, "error": None}
