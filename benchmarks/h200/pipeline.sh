@@ -23,8 +23,13 @@ export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/persist/wheels
 mkdir -p "$W"; cp "$CONFIG" "$W/config.yaml"
 rm -rf "$W/.snakemake/locks"  # a call cut at its limit leaves the lock behind; only one call runs at a time
 t0=$SECONDS
-# OVERLAY=<yaml>: a config laid over $CONFIG (Snakemake merges sections key by key), e.g. benchmarks/h200/short_sweep.yaml.
-overlay=(); [ -n "${OVERLAY:-}" ] && overlay=(--configfile "$W/config.yaml" "$(realpath "$OVERLAY")")
+# OVERLAY="<yaml> ...": configs laid over $CONFIG in order (Snakemake merges sections key by key), e.g.
+# OVERLAY="benchmarks/h200/synthetic.yaml benchmarks/h200/short_sweep.yaml".
+overlay=()
+if [ -n "${OVERLAY:-}" ]; then
+    overlay=(--configfile "$W/config.yaml")
+    for file in $OVERLAY; do overlay+=("$(realpath "$file")") || exit 1; done
+fi
 # The overlay's --configfile takes every word up to the next option: --rerun-incomplete ends it before the targets.
 # Targets first, then options taking several words (e.g. `pipeline.sh results/drafter --omit-from train_drafter`).
 timeout -k 20 "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
