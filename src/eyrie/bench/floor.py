@@ -20,9 +20,10 @@ def floor_capacity(needed: int) -> int:
     """The floor's cache slots: the power of two that holds `needed` (at least SMALLEST_SPAN).
 
     Inductor's cache keys a compiled step on its shapes, and compiling the floor's 30-layer step is most of its
-    time (on the H200 ~45 s of a ~50 s phase; on two CPU cores 97-112 s cold against 11-22 s from the cache). Sized
-    to the prompt, every benchmark compiled its own; in powers of two, benchmarks whose first prompts are near in
-    length share one. The extra slots are masked: a step's attention reads a few more rows of the cache.
+    time: the phase took 51-53 s per benchmark on the H200, of which its timed decodes are a few seconds, and on two
+    CPU cores a build took 78-87 s new against 8 s from the cache (benchmarks/floor_compile_cache.py). Sized to the
+    prompt, every benchmark compiled its own; in powers of two, benchmarks whose first prompts are near in length
+    share one. The extra slots are masked: a step's attention reads a few more rows of the cache.
     """
     return max(SMALLEST_SPAN, 1 << (needed - 1).bit_length())
 
