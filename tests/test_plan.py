@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -44,6 +46,23 @@ def test_before_anything_ran_the_plan_uses_the_guesses(tmp_path):
     assert summary["hours_left"] == 100 * 2 * 100 / 10 / 3600
     assert summary["hours_low"] < summary["hours_left"] < summary["hours_high"]
     assert "guessed" in format_plan(table, summary)
+
+
+def test_a_synthetic_datasets_prompts_are_planned_from_its_count_before_they_exist(tmp_path):
+    """No limit, no prompt file yet: a synthetic source still says how many prompts it gives (count, held-out share
+    off), each one user turn; a file source without a limit stays unknown."""
+    config = setup(tmp_path)
+    config["datasets"] = cfg.validate({**config, "datasets": {
+        "syn": {"source": {"synthetic": {"count": 300}}, "shards": 2, "heldout_fraction": 0.1},
+        "capped": {"source": {"synthetic": {"count": 300}}, "shards": 1, "limit": 50, "heldout_fraction": 0.0},
+        "file": {"source": {"file": "x.jsonl"}, "shards": 1},
+    }})["datasets"]
+    table, summary = build_plan(config, tmp_path)
+    by = {(r["dataset"], r["shard"]): r for r in table.to_dict("records")}
+    assert [by[("syn", s)]["prompts"] for s in ("0000", "0001")] == ["~135", "~135"] and by[("capped", "0000")]["prompts"] == "~50"
+    # 135 prompts x 1 turn x (200 / 2) guessed tokens per turn at 10 tokens/s
+    assert by[("syn", "0000")]["hours_left"] == 135 * 1 * 100 / 10 / 3600
+    assert by[("file", "0000")]["prompts"] == "?" and math.isnan(by[("file", "0000")]["hours_left"])  # pandas holds None as NaN
 
 
 def test_partial_logs_count_finished_turns_but_not_error_rows(tmp_path):

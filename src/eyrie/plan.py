@@ -188,11 +188,19 @@ def plan_shard(workdir: Path, config: dict, dataset: str, shard: str, model_fp: 
 
 
 def expected_prompts(config: dict, dataset: str) -> float | None:
-    """Before prompts exist: limit x (1 - held-out share) / shards, or unknown without a limit."""
+    """Before prompts exist, per shard: the prompts the source gives (the limit, a synthetic source's count, or the
+    smaller of both) x (1 - held-out share) / shards; unknown for a file without a limit."""
     spec = config["datasets"][dataset]
-    if spec["limit"] is None:
+    given = [n for n in (spec["limit"], spec["source"].get("synthetic", {}).get("count")) if n is not None]
+    if not given:
         return None
-    return spec["limit"] * (1 - spec["heldout_fraction"]) / spec["shards"]
+    return min(given) * (1 - spec["heldout_fraction"]) / spec["shards"]
+
+
+def expected_turns_per_prompt(config: dict, dataset: str, seen: float) -> float:
+    """Before prompts exist: one for a synthetic source (the target writes a single user turn), else `seen`, the turns
+    per prompt of the shards built so far (or generation.max_turns)."""
+    return 1.0 if "synthetic" in config["datasets"][dataset]["source"] else seen
 
 
 @dataclass
@@ -253,7 +261,7 @@ def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, d
             prompts_shown, left = s.prompts, s.prompts - s.prompts_done
         else:
             expected = expected_prompts(config, s.dataset)
-            turns_left = None if expected is None else expected * turns_per_prompt
+            turns_left = None if expected is None else expected * expected_turns_per_prompt(config, s.dataset, turns_per_prompt)
             prompts_shown = "?" if expected is None else f"~{expected:.0f}"
             left = "?" if expected is None else round(expected)
         tokens = None if turns_left is None else [turns_left * t for t in rates.tokens_per_turn]
