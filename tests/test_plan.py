@@ -65,6 +65,28 @@ def test_a_synthetic_datasets_prompts_are_planned_from_its_count_before_they_exi
     assert by[("file", "0000")]["prompts"] == "?" and math.isnan(by[("file", "0000")]["hours_left"])  # pandas holds None as NaN
 
 
+def test_the_plan_says_what_a_synthetic_datasets_sampling_has_left():
+    """Before a batch: the most batches it can take and no time; after some: the batches left at the kept rate so far,
+    and their time at the seconds per batch measured; with the count reached, nothing left."""
+    from eyrie.plan import synthesis_line
+
+    settings = cfg.validate({"model": {"name": "m", "path": "model"},
+                             "datasets": {"s": {"source": {"synthetic": {"count": 3000, "batch_size": 1024}}}}})["datasets"]["s"]["source"]["synthetic"]
+    assert synthesis_line("s", settings, None) == (
+        "s: synthesis not started: 3,000 prompts wanted, at most 12 batches of 1,024 samples of up to 256 tokens; "
+        "its time is known once a batch is drawn")
+    done = {"batches": 2, "samples": 2048, "kept": 1536, "full": False, "seconds_per_batch": 9.0}  # 75% kept
+    # (3000 - 1536) / 0.75 = 1952 more samples: 2 batches of 1,024, 18 s
+    assert synthesis_line("s", settings, done) == (
+        "s: synthesis: 2 batches drawn, 1,536 of 3,000 prompts kept from 2,048 samples (75% kept); ~2 batches left at that rate, "
+        "~18 s at the 9.0 s per batch measured")
+    slow = synthesis_line("s", settings, {**done, "batches": 1, "seconds_per_batch": 4000.0})
+    assert slow.startswith("s: synthesis: 1 batch drawn,") and slow.endswith("~2.2 h at the 4000.0 s per batch measured")
+    assert "the count is reached" in synthesis_line("s", settings, {**done, "kept": 3000, "full": True})
+    untimed = synthesis_line("s", settings, {**done, "seconds_per_batch": None})
+    assert untimed.endswith("~2 batches left at that rate")
+
+
 def test_partial_logs_count_finished_turns_but_not_error_rows(tmp_path):
     config = setup(tmp_path)
     write_prompts(tmp_path, "0000", {"a": 2, "b": 1, "c": 3, "e": 1})

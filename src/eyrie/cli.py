@@ -11,9 +11,13 @@ from eyrie.core.errors import EyrieError
 
 def _plan(args) -> None:
     from eyrie import config as cfg
-    from eyrie.plan import build_plan, format_cache, format_plan
+    from eyrie.plan import build_plan, format_cache, format_plan, format_synthesis
 
     config = cfg.load(args.config)
+    synthesis = format_synthesis(config, args.directory)
+    if synthesis:
+        print(synthesis)
+        print()
     table, summary = build_plan(config, args.directory)
     print(format_plan(table, summary))
     print()

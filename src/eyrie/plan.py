@@ -23,6 +23,9 @@ import pyarrow.parquet as pq
 
 from eyrie import config as cfg
 from eyrie.core.artifacts import parquet_metadata
+from eyrie.data.synthetic import max_samples
+from eyrie.data.synthetic import progress as synthesis_progress
+from eyrie.data.synthetic import settings_key as synthetic_settings_key
 from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.generation.partial import PartialLog
 
@@ -315,6 +318,54 @@ def format_plan(table: pd.DataFrame, summary: dict) -> str:
             f"for one job at a time; shards running in parallel on separate GPUs or servers divide it"
         )
     lines.append(f"basis: {summary['basis']}")
+    return "\n".join(lines)
+
+
+def synthesis_line(dataset: str, settings: dict, done: dict | None) -> str:
+    """One synthetic dataset's sampling, before its file exists: what is drawn and kept so far (eyrie.data.synthetic.progress,
+    None before the target exists) and the batches and time left at the measured seconds per batch."""
+    size, limit, count = settings["batch_size"], max_samples(settings), settings["count"]
+    most = -(-limit // size)
+    if not done or not done["batches"]:
+        return (f"{dataset}: synthesis not started: {count:,} prompts wanted, at most {most:,} batches of {size:,} samples of up to "
+                f"{settings['max_tokens']:,} tokens; its time is known once a batch is drawn")
+    batches = f"{done['batches']:,} batch" + ("es" if done["batches"] != 1 else "")
+    drawn = f"{dataset}: synthesis: {batches} drawn, {done['kept']:,} of {count:,} prompts kept from {done['samples']:,} samples"
+    if done["full"]:
+        return drawn + "; the count is reached, the file is written when the job ends"
+    rate = done["kept"] / done["samples"] if done["samples"] else 0.0
+    wanted = limit - done["samples"] if rate == 0 else min(limit - done["samples"], (count - done["kept"]) / rate)
+    left = -(-int(wanted) // size)
+    per_batch = done["seconds_per_batch"]
+    when = f", {_duration(left * per_batch)} at the {per_batch:.1f} s per batch measured" if per_batch else ""
+    return drawn + f" ({rate:.0%} kept); ~{left:,} batches left at that rate{when}"
+
+
+def _duration(seconds: float) -> str:
+    return f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min" if seconds < 7200 else f"~{seconds / 3600:.1f} h"
+
+
+def format_synthesis(config: dict, workdir: str | Path = ".") -> str | None:
+    """The synthetic datasets whose prompt file is not written yet, a line each; None when there are none."""
+    pending = [d for d in sorted(config["datasets"]) if "synthetic" in config["datasets"][d]["source"]
+               and not (Path(workdir) / f"results/synthetic/{d}.parquet").exists()]
+    if not pending:
+        return None
+    target = Path(workdir) / model_dir(config)
+    tokenizer = model_fp = template = None
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+        from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
+
+        tokenizer = load_tokenizer(target, bool(config["model"].get("trust_remote_code", False)))
+        model_fp, template = model_fingerprint(target), template_fingerprint(tokenizer)
+    lines = []
+    for dataset in pending:
+        settings = config["datasets"][dataset]["source"]["synthetic"]
+        done = None
+        if tokenizer is not None:
+            log = Path(workdir) / f"results/partial/synthetic/{dataset}/{synthetic_settings_key(settings, model_fp, template)}.jsonl"
+            done = synthesis_progress(settings, tokenizer, log)
+        lines.append(synthesis_line(dataset, settings, done))
     return "\n".join(lines)
 
 

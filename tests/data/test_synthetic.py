@@ -206,6 +206,38 @@ def test_a_run_killed_after_two_batches_resumes_to_what_one_uninterrupted_run_wr
     assert resumed.read_bytes() == whole.read_bytes()
 
 
+def test_progress_reads_a_partial_log_as_the_job_would_screen_it_without_touching_it(tmp_path, monkeypatch):
+    """eyrie plan's view of a killed job: the batches it drew, what the screening keeps of them (as a job that stopped
+    there writes), and seconds per batch; the torn line a kill leaves is not counted, nor cut off the file."""
+    from eyrie.data.synthetic import progress
+
+    tokenizer = chatml_tokenizer()
+    model = tiny_llama(tokenizer)
+    settings = {"count": 40, "max_samples": 40, "batch_size": 8, "min_chars": 1, "topics": ["python", "sums"]}
+    two_batches, _ = synthesize(tmp_path, tokenizer, model, "two", **{**settings, "count": 16, "max_samples": 16})
+    real, calls = synthetic.sample_batch, []
+
+    def dies_after_two(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synthetic, "sample_batch", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(tmp_path, tokenizer, model, "killed", **settings)
+    log = next((tmp_path / "partial-killed").iterdir())
+    with open(log, "ab") as handle:
+        handle.write(b'{"batch": 2, "samp')
+    before = log.read_bytes()
+    done = progress({**SETTINGS, **settings}, tokenizer, log)
+    assert log.read_bytes() == before
+    assert (done["batches"], done["samples"], done["kept"], done["full"]) == (2, 16, two_batches["kept"], False)
+    assert done["seconds_per_batch"] > 0
+    assert progress({**SETTINGS, **settings}, tokenizer, tmp_path / "none.jsonl") == {
+        "batches": 0, "samples": 0, "kept": 0, "full": False, "seconds_per_batch": None}
+
+
 def test_no_usable_sample_stops_with_the_counts_and_what_to_change(tmp_path):
     tokenizer = chatml_tokenizer()
     with pytest.raises(InputFileError, match=r"datasets.syn.source.synthetic: the target wrote no usable prompt in 8 samples.*raise max_tokens"):

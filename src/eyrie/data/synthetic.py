@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
@@ -279,12 +280,28 @@ def _load_partial(path: Path) -> list[list[dict]]:
     return batches
 
 
-def _append_partial(path: Path, batch: int, samples: list[dict]) -> None:
+def _append_partial(path: Path, batch: int, samples: list[dict], seconds: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"batch": batch, "samples": samples}, ensure_ascii=False) + "\n")
+        handle.write(json.dumps({"batch": batch, "samples": samples, "seconds": seconds}, ensure_ascii=False) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def progress(settings: dict, tokenizer, log_path: str | Path) -> dict:
+    """What a partial log holds, read without touching it (eyrie plan): batches and samples drawn, prompts kept by the
+    same screening, and the measured seconds per batch (None for logs written before batches were timed)."""
+    path = Path(log_path)
+    raw = path.read_bytes() if path.exists() else b""
+    rows = [json.loads(line) for line in raw[: raw.rfind(b"\n") + 1].splitlines()]  # a torn last line is not counted
+    made, size = requests(tokenizer, settings), settings["batch_size"]
+    screen = Screen(settings["count"], settings["min_chars"])
+    for row in rows:
+        for i, sample in zip(range(row["batch"] * size, (row["batch"] + 1) * size), row["samples"]):
+            screen.add(made[i % len(made)], sample["text"], sample["finished"])
+    timed = [row["seconds"] for row in rows if "seconds" in row]
+    return {"batches": len(rows), "samples": screen.samples, "kept": len(screen.kept), "full": screen.full,
+            "seconds_per_batch": sum(timed) / len(timed) if timed else None}
 
 
 # ---------------------------------------------------------------- the job
@@ -319,8 +336,9 @@ def synthesize_prompts(
             samples = logged[batch]
         else:
             prompts = [prompt_ids[i % len(made)] for i in indices]
+            started = time.perf_counter()
             samples = sample_batch(model, tokenizer, prompts, settings, stop_ids, batch_seed(settings["seed"], batch))
-            _append_partial(log, batch, samples)
+            _append_partial(log, batch, samples, time.perf_counter() - started)
         for i, sample in zip(indices, samples):
             screen.add(made[i % len(made)], sample["text"], sample["finished"])
         print(f"synthesize {dataset}: batch {batch}: {screen.samples} samples, {len(screen.kept)}/{screen.count} kept"
