@@ -114,3 +114,40 @@ def test_a_sweep_over_fewer_prompts_compares_greedy_and_the_chain_on_those_promp
     assert block["settings"][0]["speedup"] == 40 / 10  # against greedy on prompt a (10 tok/s), not over both prompts
     assert block["main"]["tokens_per_s"] == 20 and block["main"]["speedup"] == 2.0
     assert block["best"]["label"] == "tree 2-2-4"
+
+
+def test_each_speedup_has_its_interval_over_prompts_and_the_best_names_who_it_does_not_beat():
+    """Paired over the same prompts: a setting faster than greedy on every prompt has an interval above 1; one that
+    trades places with the best from prompt to prompt is within noise of it, one slower on every prompt is not."""
+    from eyrie.bench.sweep import paired_interval, sweep_block
+    from eyrie.decoding.tree import TreeShape
+
+    ids = [f"p{i}" for i in range(8)]
+    greedy = [1.0, 2.0, 1.5, 3.0, 1.0, 2.5, 2.0, 1.2]  # seconds per prompt for 10 tokens: prompts differ a lot
+
+    def main_row(pid, greedy_s, spec_s):
+        return {"id": pid, "new_tokens": 10, "spec_new_tokens": 10, "greedy_seconds": greedy_s, "spec_seconds": spec_s, "identical": True,
+                "acceptance_lengths": [2] * 5, "accepted_per_position": [5, 0, 0, 0], "rounds": 5}
+
+    def setting_rows(factors, steps):
+        return [{"id": pid, "new_tokens": 10, "seconds": g * f, "tokens_per_s": 10 / (g * f), "identical": True, "acceptance_lengths": [2] * 5,
+                 "accepted_per_position": [5] + [0] * (steps - 1), "rounds": 5, "first_divergence": None} for pid, g, f in zip(ids, greedy, factors)]
+
+    main_rows = [main_row(pid, g, g * 0.5) for pid, g in zip(ids, greedy)]  # the main chain: 2x on every prompt
+    rival = setting_rows([0.45, 0.55] * 4, 3)  # about as fast as the main chain: faster on half the prompts, slower on the rest
+    slow = setting_rows([0.8] * 8, 5)  # 1.25x greedy on every prompt
+    summary = {"greedy_tokens_per_s": 80 / sum(greedy), "spec_tokens_per_s": 160 / sum(greedy), "speedup": 2.0, "lossless": True,
+               "mean_acceptance_length": 2.0}
+    block = sweep_block([TreeShape(3, 1, 4), TreeShape(5, 4, 8)], [rival, slow], summary, 4, main_rows=main_rows)
+    rival_figures, slow_figures = block["settings"]
+    assert block["main"]["speedup_interval"] == [pytest.approx(2.0), pytest.approx(2.0)]  # the same 2x on every prompt
+    low, high = slow_figures["speedup_interval"]
+    assert low == pytest.approx(1.25) and high == pytest.approx(1.25)
+    low, high = rival_figures["speedup_interval"]
+    assert low < rival_figures["speedup"] < high and 1.7 < low and high < 2.3
+    best = block["best"]
+    assert best["speedup_interval"] is not None and best["label"] in ("chain 3", "chain 4 (bench.draft_tokens)")
+    other = "chain 4 (bench.draft_tokens)" if best["label"] == "chain 3" else "chain 3"
+    assert best["within_noise"] == [other]  # the rival and the main chain cannot be told apart; the slow tree can
+    assert paired_interval({"a": (1, 1.0)}, {"a": (1, 1.0)}) is None  # one prompt: no interval
+    assert sweep_block([TreeShape(3, 1, 4)], [rival], summary, 4)["best"]["within_noise"] is None  # without per-prompt greedy

@@ -10,6 +10,7 @@ benchmark's main chain (bench.draft_tokens) among the candidates, and `sglang_fl
 
 from __future__ import annotations
 
+import random
 import shlex
 
 from eyrie.bench.rounds import acceptance_summary, timed_row
@@ -136,6 +137,27 @@ def main_chain(summary: dict, draft_tokens: int, speedup_over_ngram: float | Non
     }
 
 
+def paired_interval(numerator: dict, denominator: dict, draws: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% interval of numerator's tokens/s over denominator's, each pooled over the same prompts drawn again with
+    replacement ({prompt id: (new tokens, seconds)} each): how much of the gap between two decoders another handful of
+    prompts could move. Both decoded every prompt back to back, so what a prompt does to both cancels. None under 2."""
+    ids = sorted(set(numerator) & set(denominator))
+    if len(ids) < 2:
+        return None
+    pick = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        drawn = [ids[pick.randrange(len(ids))] for _ in ids]
+        top = sum(numerator[i][0] for i in drawn) / sum(numerator[i][1] for i in drawn)
+        ratios.append(top / (sum(denominator[i][0] for i in drawn) / sum(denominator[i][1] for i in drawn)))
+    ratios.sort()
+    return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
+
+
+def _timings(rows: list[dict], tokens: str, seconds: str) -> dict:
+    return {r["id"]: (r[tokens], r[seconds]) for r in rows}
+
+
 def recommend(candidates: list[dict]) -> dict | None:
     """The lossless candidate with the highest tokens/s, the first one on a tie; None when no candidate is lossless."""
     lossless = [c for c in candidates if c.get("lossless") is True and c.get("tokens_per_s") is not None]
@@ -157,8 +179,8 @@ def sweep_block(shapes: list, rows_per_setting: list[list[dict]], summary: dict,
         return None
     ngram_tokens_per_s = ngram["tokens_per_s"] if ngram else None
     swept = {r["id"] for r in rows_per_setting[0]}
+    same = None if main_rows is None else [r for r in main_rows if r["id"] in swept]
     if main_rows is not None and swept != {r["id"] for r in main_rows}:
-        same = [r for r in main_rows if r["id"] in swept]
         greedy = sum(r["new_tokens"] for r in same) / sum(r["greedy_seconds"] for r in same)
         chain = sum(r["spec_new_tokens"] for r in same) / sum(r["spec_seconds"] for r in same)
         summary = {**summary, "greedy_tokens_per_s": greedy, "spec_tokens_per_s": chain, "speedup": chain / greedy,
@@ -175,11 +197,22 @@ def sweep_block(shapes: list, rows_per_setting: list[list[dict]], summary: dict,
             figures.update(lossless=verdict["lossless"], different=verdict["different"])
     main = main_chain(summary, draft_tokens, speedup_over_ngram)
     best = recommend([main, *settings])
+    within_noise = None
+    if same:  # each candidate's speedup with its 95% interval over prompts, and which ones the recommendation does not beat
+        greedy = _timings(same, "new_tokens", "greedy_seconds")
+        timed = [(main, _timings(same, "spec_new_tokens", "spec_seconds"))] + [(f, _timings(f["per_prompt"], "new_tokens", "seconds")) for f in settings]
+        for candidate, timing in timed:
+            candidate["speedup_interval"] = paired_interval(timing, greedy)
+        if best is not None:
+            best_timing = next(timing for candidate, timing in timed if candidate is best)
+            within_noise = [c["label"] for c, timing in timed if c is not best and c.get("lossless") is True
+                            and (paired_interval(timing, best_timing) or [0.0, 0.0])[1] >= 1.0]
     return {
         "lossless_checked_in": "float32" if check is not None else timing_dtype,
         "prompts": len(swept),
         "settings": settings,
         "main": main,
-        "best": None if best is None else {**{key: best[key] for key in CANDIDATE_KEYS}, "main_chain": best is main},
+        "best": None if best is None else {**{key: best[key] for key in CANDIDATE_KEYS}, "main_chain": best is main,
+                                           "speedup_interval": best.get("speedup_interval"), "within_noise": within_noise},
         "sglang_flags": None if best is None else sglang_flags(best),
     }

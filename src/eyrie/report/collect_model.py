@@ -389,10 +389,12 @@ def _sweep_figures(data: dict, bench: dict, config: dict, drafter_dir: str | Non
             warn(warnings, "bench", f"{bench['name']}: sweep setting {figures['label']} output differs from plain greedy on {len(different)} of {checked} "
                                     f"prompts ({where}); speculative decoding must be lossless")
     figures = {"rows": rows, "lossless_checked_in": data.get("lossless_checked_in"), "prompts": number(data.get("prompts")),
-               "best": None, "sglang_flags": None,
+               "best": None, "within_noise": None, "sglang_flags": None,
                "command": None, "command_lines": None, "command_error": None}
     if best and all(isinstance(best.get(key), int) for key in ("steps", "topk", "draft_tokens")):
         figures["best"] = next((r for r in rows if r["recommended"]), None) or _sweep_setting(best, bool(best.get("main_chain")), [], True, [], None, best)
+        tied = best.get("within_noise")
+        figures["within_noise"] = [str(label) for label in tied] if isinstance(tied, list) else None
         figures["sglang_flags"] = str(data.get("sglang_flags") or shlex.join(eagle3_flags(best["steps"], best["topk"], best["draft_tokens"])))
         if drafter_dir:
             figures.update(setting_command(config, str(drafter_dir), best))
@@ -404,7 +406,11 @@ def _sweep_setting(data: dict, main: bool, rates: list, lossless, different: lis
     setting = {key: data.get(key) for key in ("steps", "topk", "draft_tokens")}
     speedup, over_ngram = number(data.get("speedup")), number(data.get("speedup_over_ngram"))
     valid = all(isinstance(v, int) for v in setting.values())
+    interval = data.get("speedup_interval")  # 95% over prompts, paired with greedy; absent before it was recorded
+    valid_interval = isinstance(interval, list) and len(interval) == 2 and all(number(v) is not None for v in interval)
+    interval = [number(v) for v in interval] if valid_interval else None
     return {
+        "speedup_interval": interval,
         "label": str(data.get("label") or "?"),
         **setting,
         "main": main,
