@@ -335,7 +335,7 @@ def synthesis_line(dataset: str, settings: dict, done: dict | None) -> str:
         return drawn + "; the count is reached, the file is written when the job ends"
     rate = done["kept"] / done["samples"] if done["samples"] else 0.0
     wanted = limit - done["samples"] if rate == 0 else min(limit - done["samples"], (count - done["kept"]) / rate)
-    left = -(-int(wanted) // size)
+    left = -(-math.ceil(wanted) // size)
     per_batch = done["seconds_per_batch"]
     when = f", {_duration(left * per_batch)} at the {per_batch:.1f} s per batch measured" if per_batch else ""
     return drawn + f" ({rate:.0%} kept); ~{left:,} batches left at that rate{when}"
