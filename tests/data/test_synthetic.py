@@ -178,12 +178,8 @@ def test_the_same_seed_writes_the_same_file_and_another_seed_other_prompts(tmp_p
     assert {r["topic"] for r in pq.read_table(first).to_pylist()} <= {"python", "sums"}
 
 
-def test_a_run_killed_after_two_batches_resumes_to_what_one_uninterrupted_run_writes(tmp_path, monkeypatch):
-    tokenizer = llama3_tokenizer()
-    model = tiny_llama(tokenizer)
-    settings = {"count": 40, "max_samples": 40, "batch_size": 8, "min_chars": 1}  # five batches, short of the count
-    _, whole = synthesize(tmp_path, tokenizer, model, "whole", **settings)
-
+def kill_after_two_batches(monkeypatch, tmp_path, tokenizer, model, name, settings):
+    """A job killed as it starts its third batch, and the line the kill tore in its partial log: the log's path."""
     real, calls = synthetic.sample_batch, []
 
     def dies_after_two(*args, **kwargs):
@@ -194,12 +190,23 @@ def test_a_run_killed_after_two_batches_resumes_to_what_one_uninterrupted_run_wr
 
     monkeypatch.setattr(synthetic, "sample_batch", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
-        synthesize(tmp_path, tokenizer, model, "resumed", **settings)
-    assert not (tmp_path / "resumed.parquet").exists()
-    log = next((tmp_path / "partial-resumed").iterdir())
+        synthesize(tmp_path, tokenizer, model, name, **settings)
+    monkeypatch.setattr(synthetic, "sample_batch", real)
+    log = next((tmp_path / f"partial-{name}").iterdir())
     with open(log, "ab") as handle:
         handle.write(b'{"batch": 2, "samp')  # a line torn by the kill
-    calls.clear()
+    return log
+
+
+def test_a_run_killed_after_two_batches_resumes_to_what_one_uninterrupted_run_writes(tmp_path, monkeypatch):
+    tokenizer = llama3_tokenizer()
+    model = tiny_llama(tokenizer)
+    settings = {"count": 40, "max_samples": 40, "batch_size": 8, "min_chars": 1}  # five batches, short of the count
+    _, whole = synthesize(tmp_path, tokenizer, model, "whole", **settings)
+
+    real, calls = synthetic.sample_batch, []
+    kill_after_two_batches(monkeypatch, tmp_path, tokenizer, model, "resumed", settings)
+    assert not (tmp_path / "resumed.parquet").exists()
     monkeypatch.setattr(synthetic, "sample_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
     stats, resumed = synthesize(tmp_path, tokenizer, model, "resumed", **settings)
     assert len(calls) == 3 and stats["samples"] == 40  # batches 2, 3 and 4 drawn again, 0 and 1 read from the log
@@ -215,20 +222,7 @@ def test_progress_reads_a_partial_log_as_the_job_would_screen_it_without_touchin
     model = tiny_llama(tokenizer)
     settings = {"count": 40, "max_samples": 40, "batch_size": 8, "min_chars": 1, "topics": ["python", "sums"]}
     two_batches, _ = synthesize(tmp_path, tokenizer, model, "two", **{**settings, "count": 16, "max_samples": 16})
-    real, calls = synthetic.sample_batch, []
-
-    def dies_after_two(*args, **kwargs):
-        if len(calls) == 2:
-            raise KeyboardInterrupt("killed")
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(synthetic, "sample_batch", dies_after_two)
-    with pytest.raises(KeyboardInterrupt):
-        synthesize(tmp_path, tokenizer, model, "killed", **settings)
-    log = next((tmp_path / "partial-killed").iterdir())
-    with open(log, "ab") as handle:
-        handle.write(b'{"batch": 2, "samp')
+    log = kill_after_two_batches(monkeypatch, tmp_path, tokenizer, model, "killed", settings)
     before = log.read_bytes()
     done = progress({**SETTINGS, **settings}, tokenizer, log)
     assert log.read_bytes() == before
