@@ -3,6 +3,11 @@
     python benchmarks/decode_floor.py --dtypes bfloat16 float32 --tokens 256      # on a GPU
     python benchmarks/decode_floor.py --small --tokens 16 --no-compile           # CPU smoke test
 
+Two engines side by side in one call (an earlier commit's src/ unpacked in /tmp/base):
+
+    PYTHONPATH=/tmp/base/src python benchmarks/decode_floor.py --no-floor --compiled-only --out base.json ...
+    PYTHONPATH=src python benchmarks/decode_floor.py --no-floor --compiled-only --against base.json ...
+
 The target is a random-weight model of the default target's shape (SmolLM2-135M: hidden 576, 30 layers,
 9 heads / 3 KV heads, vocab 49152; `--small` shrinks it). Three greedy decoders run on the same weights:
 
@@ -65,21 +70,24 @@ def run(dtype_name: str, args) -> list[dict]:
     graphs = device == "cuda"
     rows = []
 
-    floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs)
-    floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
-    floor_tokens = floor_runs[0][0]
-    floor_ms = 1000 * statistics.median(s for _, s in floor_runs) / (args.tokens - 1)
-    rows.append({"dtype": dtype_name, "decoder": "floor" + ("-compiled" if args.compile else ""), "ms_per_token": floor_ms,
-                 "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures})
+    floor_tokens, floor_ms = None, float("nan")
+    if args.floor:
+        floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs)
+        floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+        floor_tokens = floor_runs[0][0]
+        floor_ms = 1000 * statistics.median(s for _, s in floor_runs) / (args.tokens - 1)
+        rows.append({"dtype": dtype_name, "decoder": "floor" + ("-compiled" if args.compile else ""), "ms_per_token": floor_ms,
+                     "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures})
 
-    for compile in ([False, True] if args.compile else [False]):
+    for compile in [True] if args.compiled_only else ([False, True] if args.compile else [False]):
         engine = StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile)
         results = [greedy_decode(engine, prompt, args.tokens, set()) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
         # greedy_decode times the prefill too: subtract a prefill-only run's time
         prefill = statistics.median(greedy_decode(engine, prompt, 1, set()).seconds for _ in range(3))
         ms = 1000 * (statistics.median(r.seconds for r in results) - prefill) / (args.tokens - 1)
         row = {"dtype": dtype_name, "decoder": engine.label, "ms_per_token": ms, "ratio_to_floor": ms / floor_ms,
-               "first_divergence_from_floor": first_divergence(results[0].tokens, floor_tokens), "capture_failures": engine.capture_failures}
+               "first_divergence_from_floor": None if floor_tokens is None else first_divergence(results[0].tokens, floor_tokens),
+               "capture_failures": engine.capture_failures}
         if args.drafter_k:
             drafter = random_drafter(model)
             spec = [speculative_decode(engine, drafter, prompt, args.tokens, set(), args.drafter_k) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
@@ -110,7 +118,11 @@ def main() -> None:
                         metavar="S,K,N", help="also time tree rounds of these SGLang (steps, topk, draft tokens), e.g. 5,4,8 8,10,64")
     parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants (CPU smoke test)")
+    parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (an engine-against-engine comparison)")
+    parser.add_argument("--compiled-only", action="store_true", help="time only the compiled static decoder")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--against", help="rows an earlier run wrote with --out (e.g. the previous engine's source on PYTHONPATH, "
+                                          "in the same call): print this run's ms over that one's, row by row")
     args = parser.parse_args()
     rows = [row for dtype in args.dtypes for row in run(dtype, args)]
     if args.out:
@@ -124,6 +136,29 @@ def main() -> None:
         for t in r.get("trees", []):
             print(f"{'':9} {'  tree ' + str((t['steps'], t['topk'], t['draft_tokens'])):28} {'':9} {'':8} {'':11} "
                   f"{t['ms_per_round']:9.3f} {t['round_in_greedy_steps']:10.2f}  lossless {t['lossless']}")
+    if args.against:
+        with open(args.against) as f:
+            print_against(rows, json.load(f)["rows"])
+
+
+def print_against(rows: list[dict], base_rows: list[dict]) -> None:
+    """Each timing of `rows` over the same timing in `base_rows` (same dtype and decoder; trees by shape)."""
+    base = {(r["dtype"], r["decoder"]): r for r in base_rows}
+    print("\nthis run over --against, ms (ratio < 1: faster now)")
+    for r in rows:
+        b = base.get((r["dtype"], r["decoder"]))
+        if b is None:
+            continue
+        pairs = [("greedy token", r["ms_per_token"], b["ms_per_token"])]
+        if "ms_per_round" in r and "ms_per_round" in b:
+            pairs.append(("chain round", r["ms_per_round"], b["ms_per_round"]))
+        base_trees = {(t["steps"], t["topk"], t["draft_tokens"]): t for t in b.get("trees", [])}
+        for t in r.get("trees", []):
+            shape = (t["steps"], t["topk"], t["draft_tokens"])
+            if shape in base_trees:
+                pairs.append((f"tree {shape}", t["ms_per_round"], base_trees[shape]["ms_per_round"]))
+        for label, now, then in pairs:
+            print(f"{r['dtype']:9} {r['decoder']:22} {label:22} {then:8.3f} -> {now:8.3f} ms  x{now / then:.3f}")
 
 
 if __name__ == "__main__":

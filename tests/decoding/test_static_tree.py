@@ -81,8 +81,9 @@ def test_a_chain_setting_runs_on_the_chain_rounds_which_draft_what_a_one_wide_tr
 
 
 def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_rounds():
-    """With compile, each drafting step runs the drafter's compiled pieces (its layer for K rows, its head with the
-    top-K), as the chain's steps do; the tokens and accepted lengths are the eager rounds'."""
+    """With compile, a tree round runs in fused pieces: the drafter's fc, layer inputs, attention with its output and
+    head (the chain's), and the tree's frontier step (attention, output, top-K, scores, sort), selection and accept;
+    the tokens and accepted lengths are the eager rounds'."""
     model = tiny_target(vocab_size=300)
     drafter = random_drafter(model, 100, scale=0.2)
     prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -90,6 +91,8 @@ def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_roun
     eager = tree_decode(StaticLlama(model, capacity=128, cuda_graphs=False), drafter, prompt, 30, set(), steps, topk, draft_tokens)
     engine = StaticLlama(model, capacity=128, cuda_graphs=False, compile=True)
     eagle = engine.drafter_for(drafter)
+    shape = TreeShape(steps, topk, draft_tokens)
+    eagle.trees[shape] = tree = StaticTree(eagle, shape)
     calls = Counter()
 
     def counted(name, piece):
@@ -99,12 +102,15 @@ def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_roun
         return run
 
     eagle._fused = {name: counted(name, piece) for name, piece in eagle._fused.items()}
+    tree._fused = {name: counted(name, piece) for name, piece in tree._fused.items()}
     fused = tree_decode(engine, drafter, prompt, 30, set(), steps, topk, draft_tokens)
     assert fused.tokens == eager.tokens and fused.acceptance_lengths == eager.acceptance_lengths
     assert eagle.fusion_failure is None
     rounds = len(fused.acceptance_lengths)
-    # Per round: the extend and S - 1 frontier steps through the layer's pieces; the root's and each step's top-K.
-    assert calls["_inputs"] == calls["_outputs"] == calls["_top"] == rounds * steps
+    # Per round: the extend (fc, inputs, attention), the root's top-K, S - 1 frontier steps (inputs, then the
+    # frontier piece), the selection and the accept.
+    assert calls["_project_aux"] == calls["_attend_outputs"] == calls["_top"] == calls["_select"] == calls["_accept"] == rounds
+    assert calls["_inputs"] == rounds * steps and calls["_frontier"] == rounds * (steps - 1)
 
 
 def test_stops_budget_spans_and_capacity_growth():

@@ -49,6 +49,11 @@ COMPILE_MODE = None
 RECOMPILE_LIMIT = 64  # compiled step widths per piece: far more than any sweep uses
 
 
+def compiled_pieces(owner, names) -> dict:
+    """torch.compile of each method `names` of owner, static shapes: each width and attention span is one graph."""
+    return {name: torch.compile(getattr(owner, name), dynamic=False, mode=COMPILE_MODE) for name in names}
+
+
 class UnsupportedTargetError(EyrieError):
     """The static decoder cannot run this target; bench falls back to transformers' decode."""
 
@@ -359,13 +364,13 @@ class StaticEagle3:
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(target.layers)))
         self.rounds: dict[int, ChainRounds] = {}  # by draft length
-        # With the target's compile, the drafter's layer is fused like a target layer: its elementwise work before
-        # and after attention in two compiled pieces, and the head's norm, argmax and d2t mapping in a third (each
-        # draft step was ~0.3 ms on an H200 unfused, about six of the target's fused layers). Attention stays eager.
+        # With the target's compile, the drafter's step is fused in pieces: fc (the extend's), the layer up to its
+        # q/k/v, its attention over the cache with everything after it, and the head's norm, argmax and d2t mapping.
+        # Each draft step was ~0.3 ms on an H200 unfused, about six of the target's fused layers; a round's kernels
+        # inside its graph cost ~3.7 us each on an H200 whatever they do, so fewer kernels is what pays. Only the
+        # cache writes stay eager.
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
-        if target.compile:
-            pieces = ("_inputs", "_outputs", "_token", "_top")  # _top: eyrie.decoding.static_tree's drafting steps
-            self._fused = {name: torch.compile(getattr(self, name), dynamic=False, mode=COMPILE_MODE) for name in pieces}
+        self._fused = compiled_pieces(self, ("_project_aux", "_inputs", "_attend_outputs", "_token", "_top")) if target.compile else {}
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
@@ -385,9 +390,7 @@ class StaticEagle3:
         q, k, v = self.piece("_inputs", hidden, ids, positions)  # (1, h, T, hd)
         self.keys.index_copy_(2, positions, k)
         self.values.index_copy_(2, positions, v)
-        mask = self.slots[None, None, None, :span] <= positions[None, None, :, None]  # (1, 1, T, span)
-        attended = self.drafter.midlayer.self_attn.attend(q, [(self.keys[:, :, :span], self.values[:, :, :span], mask)])
-        return self.piece("_outputs", hidden, attended)
+        return self.piece("_attend_outputs", hidden, q, self.keys[:, :, :span], self.values[:, :, :span], self.slots[:span], positions)
 
     def draft_token(self, out: torch.Tensor) -> torch.Tensor:
         """Target id (1, 1) of the drafter's greedy token after its output out (1, 1, H)."""
@@ -395,12 +398,19 @@ class StaticEagle3:
 
     # The pieces forward and draft_token are made of: the drafter's own methods, in the order Eagle3Drafter.decode calls them.
 
+    def _project_aux(self, aux):
+        """The extend's g (1, T, H) from the target's aux states (1, T, 3H)."""
+        return self.drafter.project_aux(aux.to(self.dtype))
+
     def _inputs(self, hidden, ids, positions):
         x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions[None])
         return self.drafter.midlayer.self_attn.project(x, cos, sin)
 
-    def _outputs(self, hidden, attended):
-        return self.drafter.layer_output(hidden, attended)
+    def _attend_outputs(self, hidden, q, keys, values, slots, positions):
+        """The layer's output (1, T, H) after its attention: queries q at `positions` over cached keys/values (1, h,
+        span, hd) of cache slots `slots` (span,), each slot visible up to the query's position."""
+        mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, span)
+        return self.drafter.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
 
     def _token(self, out):
         return self.drafter.draft_ids_to_target(self.drafter.head(out).argmax(-1))
@@ -409,16 +419,18 @@ class StaticEagle3:
         """(log-probabilities, draft ids) of the k likeliest draft tokens after each row of out (1, T, H): (T, k) each."""
         return torch.log_softmax(self.drafter.head(out)[0].float(), dim=-1).topk(k, dim=-1)
 
-    def piece(self, name: str, *args):
-        """Piece `name`, compiled while the target fuses a step (StaticLlama.step_function), else eager. A piece that
-        fails to compile turns fusion off for this drafter (fusion_failure says why): slower, never wrong."""
+    def piece(self, name: str, *args, owner=None):
+        """Piece `name` of `owner` (this drafter, or a StaticTree of it), compiled while the target fuses a step
+        (StaticLlama.step_function), else eager. A piece that fails to compile turns fusion off for this drafter and
+        its trees (fusion_failure says why): slower, never wrong."""
+        owner = self if owner is None else owner
         if not (self.target.fusing and self.target.compile and self.fusion_failure is None):
-            return getattr(self, name)(*args)
+            return getattr(owner, name)(*args)
         try:
-            return self._fused[name](*args)
+            return owner._fused[name](*args)
         except Exception as error:  # inductor or dynamo: the eager piece computes the same values
             self.fusion_failure = f"{name}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            return getattr(self, name)(*args)
+            return getattr(owner, name)(*args)
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's prefill, then the drafter's over positions 0..P-2, eagerly: (the target's first token (1, 1),
@@ -501,7 +513,7 @@ class ChainRounds:
         """Extend, draft k, verify, accept: every input and output is a static buffer; attention over `span` slots."""
         eagle, target, k = self.eagle, self.eagle.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
-        hidden = eagle.drafter.project_aux(self.ext_aux.to(eagle.dtype))  # (1, k+1, 3H) -> (1, k+1, H)
+        hidden = eagle.piece("_project_aux", self.ext_aux)  # (1, k+1, 3H) -> (1, k+1, H)
         out = eagle.forward(hidden, self.ext_ids, self.ext_start + self.offsets, span)
         out = out.index_select(1, self.ext_last)  # (1, 1, H): the last real row
         last = self.ext_start + self.ext_last  # (1,)

@@ -25,7 +25,7 @@ import torch
 
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import StaticEagle3, StaticLlama, needed_capacity, span_for, spans_up_to
+from eyrie.decoding.static import StaticEagle3, StaticLlama, compiled_pieces, needed_capacity, span_for, spans_up_to
 from eyrie.decoding.tree import TreeShape
 from eyrie.drafter.model import Eagle3Drafter
 
@@ -34,11 +34,16 @@ class StaticTree:
     """The buffers and graphs of tree rounds of one shape, for one drafter on one target.
 
     With the target's compile=True the verify's layers run fused like greedy steps and chain rounds (two compiled
-    pieces per layer, shared by every layer and span, eyrie.decoding.static.StaticLlama.step_function), and so do the
-    drafter's tree steps: its layer in the chain's two pieces (for K rows instead of 1) and its head with the
-    log-softmax and top-K in a third (StaticEagle3._top). The sorts, the masks and the accept stay eager inside the
-    graph: inductor took minutes per setting over a whole tree round on the CPU.
+    pieces per layer, shared by every layer and span, eyrie.decoding.static.StaticLlama.step_function), and so does
+    the tree's own work, in pieces of fixed shapes: a frontier step's attention, layer output, top-K, scores and
+    sort (one piece, whatever the depth: depths differ only in tensors passed in), the selection of the verified
+    nodes with their masks, and the accept. Only cache writes and the buffer updates stay eager. A round's kernels
+    cost ~3.7 us each inside its graph on an H200, so a (6, 8, 32) round ran ~430 eager kernels besides the
+    target's when only the drafter's layer was fused. Inductor took minutes over a whole tree round on the CPU,
+    which is why the round is cut into pieces.
     """
+
+    PIECES = ("_frontier", "_select", "_accept")
 
     def __init__(self, drafter: StaticEagle3, shape: TreeShape):
         if shape.topk > drafter.drafter.shape.draft_vocab_size:
@@ -61,98 +66,95 @@ class StaticTree:
         self.rows = torch.arange(N, device=device)
         self.depth_range = torch.arange(1, S + 1, device=device)
         self.root = self.rows == 0
+        # Per frontier step (depth 1..S-1), tensors of one shape, so the step's piece compiles once for every depth:
+        # the position offset, the tree slots the frontier writes (visible to itself), the index of its first child.
+        slot_depth = torch.arange(max(tree_slots, 1), device=device) // K + 1  # the depth whose frontier owns a tree slot
+        self.frontier_depth = [torch.full((K,), depth, device=device) for depth in range(1, S)]
+        self.own_slots = [self.eye[:K, :K].repeat(1, S - 1)[:, : max(tree_slots, 1)] & (slot_depth == depth)[None] for depth in range(1, S)]
+        self.child_offset = [torch.full((1,), K + (depth - 1) * K * K, device=device) for depth in range(1, S)]
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}
         self.nodes = nodes
+        self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
 
-    def _verify(self, ids, slots, cos, sin, mask, span: int):
-        """(the target's token after each row (1, N), aux (1, N, 3H)) of a tree verify (see _round)."""
-        hidden, aux = self.target.run_layers(ids, slots, cos, sin, mask, span, aux_layers=self.drafter.aux_layers)
-        return self.target.model.lm_head(hidden).argmax(-1), aux
+    def piece(self, name: str, *args):
+        return self.drafter.piece(name, *args, owner=self)
 
     # ---- drafting
 
-    def _frontier_step(self, hidden, tokens, ancestry, last, depth: int, span: int):
-        """Run the K frontier nodes at depth `depth`: (pre-norm outputs (1, K, H), their ancestry with their own slots)."""
+    def _frontier(self, hidden, q, prefix_keys, prefix_values, prefix_slots, last, ancestry, scores, nodes, child_offset):
+        """One frontier step after its q/k/v: the K frontier nodes (hidden (1, K, H), queries q (1, h, K, hd), their
+        ancestry with their own tree slots (K, tree slots), cumulative scores (K,), node indices (K,)) attend to the
+        accepted prefix and their ancestors, and their top-K children are scored. Returns every child (target ids,
+        parent nodes, cumulative scores: (K^2,) each, frontier-major) and the next frontier: the best K children
+        by cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
         K, drafter = self.shape.topk, self.drafter.drafter
-        attention = drafter.midlayer.self_attn
-        q, k, v = self.drafter.piece("_inputs", hidden, tokens[None], (last + depth).expand(K))  # (1, h, K, hd)
-        first = (depth - 1) * K  # this step's tree slots
-        self.tree_keys[:, :, first : first + K] = k
-        self.tree_values[:, :, first : first + K] = v
-        ancestry = ancestry.clone()
-        ancestry[:, first : first + K] = self.eye[:K, :K]
-        seen = self.drafter.slots[None, None, None, :span] <= last  # (1, 1, 1, span): the accepted prefix
-        blocks = [
-            (self.drafter.keys[:, :, :span], self.drafter.values[:, :, :span], seen.expand(1, 1, K, span)),
-            (self.tree_keys, self.tree_values, ancestry[None, None]),
-        ]
-        return self.drafter.piece("_outputs", hidden, attention.attend(q, blocks)), ancestry
-
-    def _top(self, out):
-        """(log-probabilities, draft ids) of the K likeliest draft tokens after each row of out (1, T, H): (T, K) each."""
-        return self.drafter.piece("_top", out, self.shape.topk)
+        seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])  # the accepted prefix
+        blocks = [(prefix_keys, prefix_values, seen), (self.tree_keys, self.tree_values, ancestry[None, None])]
+        out = drafter.layer_output(hidden, drafter.midlayer.self_attn.attend(q, blocks))
+        top, child_ids = self.drafter._top(out, K)  # (K, K)
+        cumulative = (scores[:, None] + top).flatten()
+        child_tokens = drafter.draft_ids_to_target(child_ids).flatten()
+        parents = nodes.repeat_interleave(K)
+        best = torch.sort(-cumulative, stable=True).indices[:K]  # children index i * K + j; ties to the earlier
+        owner = best // K
+        return (child_tokens, parents, cumulative,
+                out.index_select(1, owner), ancestry.index_select(0, owner), cumulative.index_select(0, best),
+                child_offset + best, child_tokens.index_select(0, best))
 
     def _grow(self, out_root, last, span: int):
         """(target ids, parent node (`nodes` for the root), cumulative log-probability) of every node, in drafting order."""
-        S, K, drafter = self.shape.steps, self.shape.topk, self.drafter.drafter
-        scores, ids = (top[0] for top in self._top(out_root))
+        S, K, drafter = self.shape.steps, self.shape.topk, self.drafter
+        scores, ids = (top[0] for top in drafter.piece("_top", out_root, K))
+        frontier_tokens = drafter.drafter.draft_ids_to_target(ids)
         # The root's children get parent `nodes`: row_of[nodes] is row 0, the current token.
-        tokens, parents, all_scores = [drafter.draft_ids_to_target(ids)], [torch.full_like(ids, self.nodes)], [scores]
-        frontier = torch.arange(K, device=ids.device)  # node indices, best first
+        tokens, parents, all_scores = [frontier_tokens], [torch.full_like(ids, self.nodes)], [scores]
+        nodes = torch.arange(K, device=ids.device)  # node indices, best first
         hidden = out_root.expand(1, K, -1)
         ancestry = torch.zeros(K, self.tree_keys.shape[2], dtype=torch.bool, device=ids.device)
-        offset = K  # index of the next node
+        prefix = (drafter.keys[:, :, :span], drafter.values[:, :, :span], drafter.slots[:span], last)
         for depth in range(1, S):
-            node_tokens = torch.cat(tokens).index_select(0, frontier)
-            out, ancestry = self._frontier_step(hidden, node_tokens, ancestry, last, depth, span)
-            top, child_ids = self._top(out)  # (K, K)
-            cumulative = (torch.cat(all_scores).index_select(0, frontier)[:, None] + top).flatten()
-            tokens.append(drafter.draft_ids_to_target(child_ids).flatten())
-            parents.append(frontier.repeat_interleave(K))
-            all_scores.append(cumulative)
-            best = torch.sort(-cumulative, stable=True).indices[:K]  # children index i * K + j; ties to the earlier
-            frontier, owner = offset + best, best // K
-            hidden, ancestry = out[:, owner], ancestry.index_select(0, owner)
-            offset += K * K
+            q, k, v = drafter.piece("_inputs", hidden, frontier_tokens[None], last + self.frontier_depth[depth - 1])  # (1, h, K, hd)
+            first = (depth - 1) * K  # this step's tree slots
+            self.tree_keys[:, :, first : first + K] = k
+            self.tree_values[:, :, first : first + K] = v
+            step = self.piece("_frontier", hidden, q, *prefix, ancestry | self.own_slots[depth - 1], scores, nodes,
+                              self.child_offset[depth - 1])
+            for column, value in zip((tokens, parents, all_scores), step[:3]):
+                column.append(value)
+            hidden, ancestry, scores, nodes, frontier_tokens = step[3:]
         return torch.cat(tokens), torch.cat(parents), torch.cat(all_scores)
 
     # ---- the round
 
-    def _round(self, span: int) -> None:
-        S, N = self.shape.steps, self.shape.draft_tokens
-        target, drafter = self.target, self.drafter
-        # Extend: the accepted positions' target features (rows past ext_last are padding the tree never sees).
-        hidden = drafter.drafter.project_aux(self.ext_aux.to(drafter.dtype))
-        out = drafter.forward(hidden, self.ext_ids, self.ext_start + torch.arange(S + 1, device=drafter.device), span)
-        out_root = out.index_select(1, self.ext_last)  # (1, 1, H)
-        last = self.ext_start + self.ext_last  # position whose next token is target.token
-
-        tokens, parents, scores = self._grow(out_root, last, span)
-        # Select the N - 1 best nodes, kept in drafting order; map parents to verify rows (0 = the current token).
+    def _select(self, tokens, parents, scores, token, current, slots, cos_table, sin_table):
+        """The verify's inputs from the drafted nodes: the N - 1 best by cumulative score, in drafting order, after
+        the current token `token` (1, 1) at position `current` (1,). Returns (ids (1, N), parent row of each row (row 0
+        is its own), depth of each row, ancestry (N, N), mask over the attended cache slots `slots` (group * N, span),
+        cos and sin (1, 1, N, hd) at position current + depth)."""
+        S, N, target = self.shape.steps, self.shape.draft_tokens, self.target
         chosen = torch.sort(torch.sort(-scores, stable=True).indices[: N - 1]).values
         row_of = torch.zeros(self.nodes + 1, dtype=torch.long, device=tokens.device)  # [nodes] (the root) stays row 0
         row_of[chosen] = self.rows[1:]
-        verify_tokens = torch.cat([target.token[0], tokens.index_select(0, chosen)])  # (N,)
-        verify_parents = torch.cat([self.rows[:1], row_of[parents.index_select(0, chosen)]])  # row 0 is its own parent
+        verify_tokens = torch.cat([token[0], tokens.index_select(0, chosen)])  # (N,)
+        verify_parents = torch.cat([self.rows[:1], row_of.index_select(0, parents.index_select(0, chosen))])
         verify_depths = torch.cat([self.rows[:1], self.node_depths.index_select(0, chosen)])
-        ancestry = self.eye[:N, :N].clone()
+        ancestry = self.eye[:N, :N]
         for _ in range(S):  # depth <= S: S rounds of "my ancestors are my parent's and my parent"
             ancestry = self.eye[:N, :N] | ancestry.index_select(0, verify_parents)
-
-        # Verify: slot current + r, rotated to current + depth; the prefix and the row's ancestors are visible.
-        current = target.position
-        slots = current + self.rows
-        relative = target.slots[:span] - current  # (span,)
+        # Row r writes slot current + r and is rotated to current + depth; it sees the prefix and its ancestors.
+        relative = slots - current  # (span,)
         in_tree = (relative >= 0) & (relative < N)
         mask = (relative < 0)[None] | (ancestry.index_select(1, relative.clamp(0, N - 1)) & in_tree[None])  # (N, span)
         mask = mask.repeat(target.heads // target.kv_heads, 1)
         positions = current + verify_depths
-        cos, sin = target.cos[positions][None, None], target.sin[positions][None, None]
-        predicted, aux = self._verify(verify_tokens[None], slots, cos, sin, mask, span)
-        predicted = predicted[0]  # (N,)
+        cos, sin = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
+        return verify_tokens[None], verify_parents, verify_depths, ancestry, mask, cos, sin
 
-        # Accept: agreed[r] = the target predicted row r after its parent, all the way up.
+    def _accept(self, verify_tokens, predicted, verify_parents, verify_depths, ancestry):
+        """The deepest row whose whole path the target agrees with (the first at that depth): (accepted (1,), the path's
+        rows at depths 0..S (S + 1,), past `accepted` padding; the target's token after each path row (S + 1,))."""
+        S = self.shape.steps
         agreed = self.root
         for _ in range(S):  # row 0 is its own parent: `| root` keeps it agreed (no host scalar inside a graph)
             agreed = ((verify_tokens == predicted.index_select(0, verify_parents)) & agreed.index_select(0, verify_parents)) | self.root
@@ -161,11 +163,28 @@ class StaticTree:
         on_path = ancestry.index_select(0, best)[0]
         depth_rows = (on_path[None] & (verify_depths[None] == self.depth_range[:, None])).long().argmax(1)
         path = torch.cat([self.rows[:1], depth_rows])  # (S + 1,): rows of depths 0..S (past `accepted`: padding)
+        return accepted, path, predicted.index_select(0, path)  # the path's own tokens, then the bonus
+
+    def _round(self, span: int) -> None:
+        S = self.shape.steps
+        target, drafter = self.target, self.drafter
+        # Extend: the accepted positions' target features (rows past ext_last are padding the tree never sees).
+        hidden = drafter.piece("_project_aux", self.ext_aux)
+        out = drafter.forward(hidden, self.ext_ids, self.ext_start + torch.arange(S + 1, device=drafter.device), span)
+        out_root = out.index_select(1, self.ext_last)  # (1, 1, H)
+        last = self.ext_start + self.ext_last  # position whose next token is target.token
+
+        tokens, parents, scores = self._grow(out_root, last, span)
+        current = target.position
+        ids, verify_parents, verify_depths, ancestry, mask, cos, sin = self.piece(
+            "_select", tokens, parents, scores, target.token, current, target.slots[:span], target.cos, target.sin)
+        hidden, aux = target.run_layers(ids, current + self.rows, cos, sin, mask, span, aux_layers=drafter.aux_layers)
+        predicted = target.model.lm_head(hidden).argmax(-1)[0]  # (N,): the target's token after each row
+        accepted, path, new = self.piece("_accept", ids[0], predicted, verify_parents, verify_depths, ancestry)
 
         # The path's K/V to slots current + 1.., every layer at once (index_select copies before the write).
         for cache in (target.keys, target.values):
             cache.index_copy_(3, current + self.depth_range, cache.index_select(3, current + path[1:]))
-        new = predicted.index_select(0, path)  # the token after each path row: the path's own tokens, then the bonus
         self.ext_aux.copy_(aux.index_select(1, path))
         self.ext_ids.copy_(new[None])
         self.ext_start.copy_(current)
