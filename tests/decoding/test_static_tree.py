@@ -113,6 +113,34 @@ def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_roun
     assert calls["_inputs"] == rounds * steps and calls["_frontier"] == rounds * (steps - 1)
 
 
+def test_a_longer_attention_span_compiles_nothing_new():
+    """Every compiled piece of a chain or tree round is specialised to a step width (and a tree shape), none to an
+    attention span: the drafter attends over its whole cache and the tree's verify mask covers the whole cache, of
+    which the verify takes its span's columns. A decode that reaches a longer span replays what a short one compiled.
+    With a piece per span, warm-up took ~100 s per benchmark job on an H200 (twelfth session)."""
+    import torch._dynamo
+
+    model = tiny_target(vocab_size=300)
+    drafter = random_drafter(model, 100, scale=0.2)
+    engine = StaticLlama(model, capacity=600, cuda_graphs=False, compile=True)
+    short = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    long = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(2)).tolist()  # past 256 slots: span 512
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def decode_both(prompt):
+        chain = speculative_decode(engine, drafter, prompt, 12, set(), 3)
+        tree = tree_decode(engine, drafter, prompt, 12, set(), 3, 2, 6)
+        assert chain.tokens == tree.tokens == greedy_decode(model, prompt, 12, set()).tokens
+
+    decode_both(short)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled > 0
+    decode_both(long)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+    assert engine.drafter_for(drafter).fusion_failure is None
+
+
 def test_stops_budget_spans_and_capacity_growth():
     """Stop tokens and budgets as greedy; a decode longer than the smallest span and a cache that grows mid-run."""
     model = tiny_target(vocab_size=300)

@@ -384,13 +384,18 @@ class StaticEagle3:
         self.rounds = {}  # by draft length: their graphs point at the old buffers
         self.trees = {}  # eyrie.decoding.static_tree's rounds, by TreeShape: the same
 
-    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
-        """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,), attending to `span` slots."""
-        span = self.capacity if span is None else span
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,).
+
+        The drafter attends over its whole cache, masked by position, not over the target's span: one layer's
+        attention over a few hundred or thousand slots costs microseconds, while a piece per span was one more
+        compile per step width and span (and per tree shape and span for eyrie.decoding.static_tree), ~90 s of
+        warm-up per benchmark job on an H200.
+        """
         q, k, v = self.piece("_inputs", hidden, ids, positions)  # (1, h, T, hd)
         self.keys.index_copy_(2, positions, k)
         self.values.index_copy_(2, positions, v)
-        return self.piece("_attend_outputs", hidden, q, self.keys[:, :, :span], self.values[:, :, :span], self.slots[:span], positions)
+        return self.piece("_attend_outputs", hidden, q, self.keys, self.values, self.slots, positions)
 
     def draft_token(self, out: torch.Tensor) -> torch.Tensor:
         """Target id (1, 1) of the drafter's greedy token after its output out (1, 1, H)."""
@@ -408,7 +413,7 @@ class StaticEagle3:
 
     def _attend_outputs(self, hidden, q, keys, values, slots, positions):
         """The layer's output (1, T, H) after its attention: queries q at `positions` over cached keys/values (1, h,
-        span, hd) of cache slots `slots` (span,), each slot visible up to the query's position."""
+        slots, hd) of cache slots `slots`, each slot visible up to the query's position."""
         mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, span)
         return self.drafter.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
 
@@ -514,12 +519,12 @@ class ChainRounds:
         eagle, target, k = self.eagle, self.eagle.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
         hidden = eagle.piece("_project_aux", self.ext_aux)  # (1, k+1, 3H) -> (1, k+1, H)
-        out = eagle.forward(hidden, self.ext_ids, self.ext_start + self.offsets, span)
+        out = eagle.forward(hidden, self.ext_ids, self.ext_start + self.offsets)
         out = out.index_select(1, self.ext_last)  # (1, 1, H): the last real row
         last = self.ext_start + self.ext_last  # (1,)
         drafts = [eagle.draft_token(out)]
         for j in range(1, k):  # chain: own output and the previous draft's embedding
-            out = eagle.forward(out, drafts[-1], last + j, span)
+            out = eagle.forward(out, drafts[-1], last + j)
             drafts.append(eagle.draft_token(out))
         drafts = torch.cat(drafts, dim=1)  # (1, k)
         # Verify [current, *drafts]; predicted[i] is the target's token after input i.

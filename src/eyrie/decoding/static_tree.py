@@ -89,7 +89,7 @@ class StaticTree:
         parent nodes, cumulative scores: (K^2,) each, frontier-major) and the next frontier: the best K children
         by cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
         K, drafter = self.shape.topk, self.drafter.drafter
-        seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])  # the accepted prefix
+        seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])  # the accepted prefix (whole cache)
         blocks = [(prefix_keys, prefix_values, seen), (self.tree_keys, self.tree_values, ancestry[None, None])]
         out = drafter.layer_output(hidden, drafter.midlayer.self_attn.attend(q, blocks))
         top, child_ids = self.drafter._top(out, K)  # (K, K)
@@ -102,7 +102,7 @@ class StaticTree:
                 out.index_select(1, owner), ancestry.index_select(0, owner), cumulative.index_select(0, best),
                 child_offset + best, child_tokens.index_select(0, best))
 
-    def _grow(self, out_root, last, span: int):
+    def _grow(self, out_root, last):
         """(target ids, parent node (`nodes` for the root), cumulative log-probability) of every node, in drafting order."""
         S, K, drafter = self.shape.steps, self.shape.topk, self.drafter
         scores, ids = (top[0] for top in drafter.piece("_top", out_root, K))
@@ -112,7 +112,7 @@ class StaticTree:
         nodes = torch.arange(K, device=ids.device)  # node indices, best first
         hidden = out_root.expand(1, K, -1)
         ancestry = torch.zeros(K, self.tree_keys.shape[2], dtype=torch.bool, device=ids.device)
-        prefix = (drafter.keys[:, :, :span], drafter.values[:, :, :span], drafter.slots[:span], last)
+        prefix = (drafter.keys, drafter.values, drafter.slots, last)  # attended whole, masked: no piece per span
         for depth in range(1, S):
             q, k, v = drafter.piece("_inputs", hidden, frontier_tokens[None], last + self.frontier_depth[depth - 1])  # (1, h, K, hd)
             first = (depth - 1) * K  # this step's tree slots
@@ -130,7 +130,8 @@ class StaticTree:
     def _select(self, tokens, parents, scores, token, current, slots, cos_table, sin_table):
         """The verify's inputs from the drafted nodes: the N - 1 best by cumulative score, in drafting order, after
         the current token `token` (1, 1) at position `current` (1,). Returns (ids (1, N), parent row of each row (row 0
-        is its own), depth of each row, ancestry (N, N), mask over the attended cache slots `slots` (group * N, span),
+        is its own), depth of each row, ancestry (N, N), mask over the cache slots `slots` (group * N, capacity; the
+        verify takes its span's columns, so that this piece compiles once per shape),
         cos and sin (1, 1, N, hd) at position current + depth)."""
         S, N, target = self.shape.steps, self.shape.draft_tokens, self.target
         chosen = torch.sort(torch.sort(-scores, stable=True).indices[: N - 1]).values
@@ -143,9 +144,9 @@ class StaticTree:
         for _ in range(S):  # depth <= S: S rounds of "my ancestors are my parent's and my parent"
             ancestry = self.eye[:N, :N] | ancestry.index_select(0, verify_parents)
         # Row r writes slot current + r and is rotated to current + depth; it sees the prefix and its ancestors.
-        relative = slots - current  # (span,)
+        relative = slots - current  # (capacity,)
         in_tree = (relative >= 0) & (relative < N)
-        mask = (relative < 0)[None] | (ancestry.index_select(1, relative.clamp(0, N - 1)) & in_tree[None])  # (N, span)
+        mask = (relative < 0)[None] | (ancestry.index_select(1, relative.clamp(0, N - 1)) & in_tree[None])  # (N, capacity)
         mask = mask.repeat(target.heads // target.kv_heads, 1)
         positions = current + verify_depths
         cos, sin = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
@@ -170,15 +171,15 @@ class StaticTree:
         target, drafter = self.target, self.drafter
         # Extend: the accepted positions' target features (rows past ext_last are padding the tree never sees).
         hidden = drafter.piece("_project_aux", self.ext_aux)
-        out = drafter.forward(hidden, self.ext_ids, self.ext_start + torch.arange(S + 1, device=drafter.device), span)
+        out = drafter.forward(hidden, self.ext_ids, self.ext_start + torch.arange(S + 1, device=drafter.device))
         out_root = out.index_select(1, self.ext_last)  # (1, 1, H)
         last = self.ext_start + self.ext_last  # position whose next token is target.token
 
-        tokens, parents, scores = self._grow(out_root, last, span)
+        tokens, parents, scores = self._grow(out_root, last)
         current = target.position
         ids, verify_parents, verify_depths, ancestry, mask, cos, sin = self.piece(
-            "_select", tokens, parents, scores, target.token, current, target.slots[:span], target.cos, target.sin)
-        hidden, aux = target.run_layers(ids, current + self.rows, cos, sin, mask, span, aux_layers=drafter.aux_layers)
+            "_select", tokens, parents, scores, target.token, current, target.slots, target.cos, target.sin)
+        hidden, aux = target.run_layers(ids, current + self.rows, cos, sin, mask[:, :span], span, aux_layers=drafter.aux_layers)
         predicted = target.model.lm_head(hidden).argmax(-1)[0]  # (N,): the target's token after each row
         accepted, path, new = self.piece("_accept", ids[0], predicted, verify_parents, verify_depths, ancestry)
 

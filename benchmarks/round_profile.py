@@ -1,0 +1,146 @@
+"""Where a speculative round's time goes, piece by piece: a greedy step, a chain round and tree rounds under torch.profiler.
+
+    python benchmarks/round_profile.py --trees 6,8,32 6,10,48            # on a GPU: random weights, the default target's shape
+    python benchmarks/round_profile.py --small --trees 3,2,6 --no-compile  # CPU smoke test
+
+The engine is eyrie's static decoder, compiled as `bench.compile` fuses it, but with CUDA graphs off so that each
+kernel shows up on its own: every decoder's step runs several times untimed (compilation), then --rounds steps are
+profiled. Each compiled piece (the target's layers, the drafter's pieces, a tree's frontier step, selection and accept)
+and the eager cache writes around them run inside a named range, and the table gives, per range and per step, the
+kernels launched and their summed device time. Inside a CUDA graph a step costs about its kernels' device time plus a
+small gap per kernel, so the kernel counts and device times say which piece a shorter round has to come from.
+Without CUDA the device columns are empty and the CPU time of each range is shown instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+from collections import defaultdict
+
+import torch
+from decode_floor import SMALL, SMOLLM2, random_drafter
+
+from eyrie.decoding.static import StaticEagle3, StaticLlama
+from eyrie.decoding.static_tree import StaticTree
+from eyrie.decoding.tree import TreeShape
+
+WARMUPS = 3  # untimed steps first: each piece compiles on its first call
+
+
+def labelled(method, label):
+    """method, run inside the profiler range `label` (the range's kernels are that piece's)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return method(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def ranges(engine: StaticLlama):
+    """Name the pieces of every step: the target's layer pieces and attention, the drafter's and the trees' pieces."""
+    saved = []
+
+    def wrap(owner, name, label):
+        saved.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, labelled(getattr(owner, name), label))
+
+    for name in ("_project", "_finish", "_attend", "_fused_project", "_fused_finish"):  # the fused ones run while fusing
+        if hasattr(engine, name):
+            wrap(engine, name, f"target {name.replace('_fused', '').strip('_')}")
+    original_piece = StaticEagle3.piece
+    StaticEagle3.piece = lambda self, name, *args, owner=None: labelled(original_piece, f"piece {name}")(self, name, *args, owner=owner)
+    try:
+        yield
+    finally:
+        StaticEagle3.piece = original_piece
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def profile_steps(step, steps: int) -> dict[str, dict]:
+    """Per range (and 'whole step'): kernels and device microseconds per step, CPU microseconds per step."""
+    for _ in range(WARMUPS):
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("whole step"):
+                step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    found = defaultdict(lambda: {"kernels": 0.0, "device_us": 0.0, "cpu_us": 0.0})
+    for event in prof.events():
+        if event.name == "whole step" or event.name.startswith(("target ", "piece ")):
+            row = found[event.name]
+            row["cpu_us"] += event.cpu_time_total / steps
+            row["kernels"] += kernels_under(event) / steps
+            row["device_us"] += getattr(event, "device_time_total", 0.0) / steps
+    return dict(found)
+
+
+def kernels_under(event) -> int:
+    """Kernels launched by `event` and every CPU op under it."""
+    return len(getattr(event, "kernels", [])) + sum(kernels_under(child) for child in event.cpu_children)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=20, help="steps profiled per decoder")
+    parser.add_argument("--chain", type=int, default=4, help="chain length k (0: none)")
+    parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[(6, 8, 32)], metavar="S,K,N")
+    parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager pieces (CPU smoke test)")
+    args = parser.parse_args()
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(SMALL if args.small else SMOLLM2))).to(device=device, dtype=getattr(torch, args.dtype)).eval()
+    engine = StaticLlama(model, capacity=512, cuda_graphs=False, compile=args.compile)
+    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    eagle = engine.drafter_for(random_drafter(model))
+    span = 256
+    steps = {"greedy step": engine.step_function(functools.partial(engine._greedy_step, span))}
+    with torch.inference_mode():
+        if args.chain:
+            chain = eagle._rounds_for(args.chain)
+            eagle.start(prompt, chain)
+            steps[f"chain {args.chain} round"] = engine.step_function(functools.partial(chain._round, span))
+        for shape in args.trees:
+            tree = StaticTree(eagle, TreeShape(*shape))
+            eagle.start(prompt, tree)
+            steps[f"tree {shape} round"] = engine.step_function(functools.partial(tree._round, span))
+        # Each step keeps decoding from where the last left off; positions stay well inside the first span.
+        results = {}
+        with ranges(engine):
+            for label, step in steps.items():
+                engine.position.fill_(args.prompt_tokens)
+                results[label] = profile_steps(step, args.rounds)
+
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {args.dtype}, compile {args.compile}, "
+          f"no CUDA graphs; per step: kernels, device us, CPU us")
+    for label, found in results.items():
+        whole = found.get("whole step", {"kernels": 0, "device_us": 0.0, "cpu_us": 0.0})
+        print(f"\n{label}: {whole['kernels']:.0f} kernels, {whole['device_us']:.1f} us on the device, {whole['cpu_us']:.0f} us CPU")
+        named = sorted(((k, v) for k, v in found.items() if k != "whole step"), key=lambda kv: (-kv[1]["device_us"], -kv[1]["cpu_us"]))
+        inside = {"kernels": 0.0, "device_us": 0.0}
+        for name, row in named:  # no range runs inside another, so they add up
+            print(f"  {name:24} {row['kernels']:7.1f} {row['device_us']:9.1f} {row['cpu_us']:9.0f}")
+            inside["kernels"] += row["kernels"]
+            inside["device_us"] += row["device_us"]
+        print(f"  {'outside the ranges':24} {whole['kernels'] - inside['kernels']:7.1f} {whole['device_us'] - inside['device_us']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
