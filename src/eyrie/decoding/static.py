@@ -50,7 +50,7 @@ RECOMPILE_LIMIT = 64  # compiled step widths per piece: far more than any sweep 
 
 
 def compiled_pieces(owner, names) -> dict:
-    """torch.compile of each method `names` of owner, static shapes: each width and attention span is one graph."""
+    """torch.compile of each method `names` of owner, static shapes: each step width (and tree shape) is one graph."""
     return {name: torch.compile(getattr(owner, name), dynamic=False, mode=COMPILE_MODE) for name in names}
 
 
@@ -389,8 +389,8 @@ class StaticEagle3:
 
         The drafter attends over its whole cache, masked by position, not over the target's span: one layer's
         attention over a few hundred or thousand slots costs microseconds, while a piece per span was one more
-        compile per step width and span (and per tree shape and span for eyrie.decoding.static_tree), ~90 s of
-        warm-up per benchmark job on an H200.
+        compile per step width and span (and per tree shape and span for eyrie.decoding.static_tree): with those,
+        warm-up took 98-128 s per benchmark job on an H200.
         """
         q, k, v = self.piece("_inputs", hidden, ids, positions)  # (1, h, T, hd)
         self.keys.index_copy_(2, positions, k)
@@ -414,7 +414,7 @@ class StaticEagle3:
     def _attend_outputs(self, hidden, q, keys, values, slots, positions):
         """The layer's output (1, T, H) after its attention: queries q at `positions` over cached keys/values (1, h,
         slots, hd) of cache slots `slots`, each slot visible up to the query's position."""
-        mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, span)
+        mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, slots)
         return self.drafter.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
 
     def _token(self, out):
