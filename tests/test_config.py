@@ -156,3 +156,23 @@ def test_names_with_dots_and_paths_with_shell_characters_are_fine():
     raw["datasets"]["local"]["source"]["file"] = "data/it's a [file] & more.jsonl"
     checked = cfg.validate(raw)
     assert checked["model"]["name"] == "SmolLM2-135M.v1" and checked["hidden"]["keep"] is True
+
+
+def _laid_over(base: dict, overlay: dict) -> dict:
+    """overlay merged into base section by section, as Snakemake merges several --configfile."""
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _laid_over(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+@pytest.mark.parametrize("overlay", sorted((REPO / "benchmarks" / "h200").glob("*.yaml")), ids=lambda path: path.name)
+def test_each_lease_overlay_laid_over_the_gpu_config_is_valid(overlay):
+    """benchmarks/h200/pipeline.sh lays these over configs/h200.yaml (OVERLAY): one that the schema or SGLang's tree
+    bounds refuse would fail on the lease, after its device time was spent."""
+    from eyrie.bench.sweep import check_sweep
+
+    raw = _laid_over(yaml.safe_load((REPO / "configs" / "h200.yaml").read_text()), yaml.safe_load(overlay.read_text()))
+    check_sweep(cfg.validate(raw, origin=str(overlay))["bench"]["sweep"])
