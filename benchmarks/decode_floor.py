@@ -36,7 +36,8 @@ import torch
 from eyrie.bench.rounds import first_divergence
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.floor import FloorDecoder
-from eyrie.decoding.static import StaticLlama, needed_capacity
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_common import needed_capacity
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
                vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)

@@ -22,7 +22,8 @@ from collections import defaultdict
 import torch
 from decode_floor import SMALL, SMOLLM2, random_drafter
 
-from eyrie.decoding.static import StaticEagle3, StaticLlama
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_drafter import StaticEagle3
 from eyrie.decoding.static_tree import StaticTree
 from eyrie.decoding.tree import TreeShape
 

@@ -35,7 +35,8 @@ from eyrie.bench.benchmark import (
     stop_ids_of,
 )
 from eyrie.decoding.decode import greedy_decode, speculative_decode
-from eyrie.decoding.static import StaticLlama, needed_capacity
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_common import needed_capacity
 from eyrie.target.chat_template import render
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

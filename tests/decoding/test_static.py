@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from eyrie.decoding.decode import greedy_decode, speculative_decode
-from eyrie.decoding.static import (
-    StaticLlama,
-    UnsupportedTargetError,
-    needed_capacity,
-    open_decoder,
-    unsupported_reason,
-)
+from eyrie.decoding.static import StaticLlama, open_decoder, unsupported_reason
+from eyrie.decoding.static_common import UnsupportedTargetError, needed_capacity
 from eyrie.decoding.transformers_path import Eagle3Chain
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
@@ -133,7 +128,7 @@ def test_static_rounds_draft_exactly_like_the_eagle3_chain(k):
 
 
 def test_spans_double_from_the_smallest_and_end_at_the_capacity():
-    from eyrie.decoding.static import span_for, spans_up_to
+    from eyrie.decoding.static_common import span_for, spans_up_to
 
     assert spans_up_to(64) == [64] and spans_up_to(256) == [256] and spans_up_to(1344) == [256, 512, 1024, 1344]
     assert [span_for(n, 1344) for n in (1, 256, 257, 1024, 1025, 1344)] == [256, 256, 512, 1024, 1344, 1344]

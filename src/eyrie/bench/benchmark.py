@@ -356,7 +356,8 @@ def float32_check(target_dir, drafter_dir_or_model, encoded, cfg: dict, stop_ids
 def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]], parity_samples: list[dict] = ()):
     """(decoder both measurements use, its label, why the static one was not used or None), sized for every prompt and for
     each parity sample's prompt and reply (eyrie.bench.parity.serve_parity_samples)."""
-    from eyrie.decoding.static import needed_capacity, open_decoder
+    from eyrie.decoding.static import open_decoder
+    from eyrie.decoding.static_common import needed_capacity
 
     longest = max(len(ids) for _, ids in encoded)
     widest = widest_draft(cfg["draft_tokens"], cfg.get("sweep"))
@@ -442,7 +443,7 @@ def run_benchmark(
         "draft_tokens": cfg["draft_tokens"],
         "decoder": decoder,
         "decoder_fallback_reason": fallback,
-        # A drafter piece that failed to compile ran eagerly (eyrie.decoding.static.StaticEagle3): slower, same tokens.
+        # A drafter piece that failed to compile ran eagerly (eyrie.decoding.static_drafter.StaticEagle3): slower, same tokens.
         "drafter_fusion_failure": next((e.fusion_failure for e in getattr(engine, "drafters", {}).values() if e.fusion_failure), None),
         "max_new_tokens": cfg["max_new_tokens"],
         "min_acceptance_length": cfg["min_acceptance_length"],

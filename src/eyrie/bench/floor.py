@@ -11,7 +11,8 @@ import statistics
 from eyrie.decoding.decode import greedy_decode
 from eyrie.decoding.floor import FloorDecoder
 from eyrie.decoding.graphs import cuda_graphs_usable
-from eyrie.decoding.static import SMALLEST_SPAN, StaticLlama
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_common import SMALLEST_SPAN
 
 WARMUPS, REPEATS = 2, 3
 

@@ -22,7 +22,8 @@ import functools
 import torch
 
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import StaticLlama, round_up, span_for, spans_up_to
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_common import round_up, span_for, spans_up_to
 
 CHECK_EVERY = 16  # decode steps between host reads of "all rows finished"
 PREFILL_TOKENS = 32768  # padded prompt tokens per eager prefill chunk (bounds the attention mask's memory)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import COMPILE_MODE
+from eyrie.decoding.static_common import COMPILE_MODE
 
 
 class FloorDecoder:

@@ -27,7 +27,8 @@ import torch
 from eyrie.decoding.common import SpecResult, speculative_rounds
 from eyrie.decoding.decode import speculative_decode
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import StaticLlama, needed_capacity, span_for, spans_up_to
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_common import needed_capacity, span_for, spans_up_to
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 
 MAX_NGRAM = 3  # vLLM's and transformers' usual ceiling: longer n rarely matches, shorter is tried next

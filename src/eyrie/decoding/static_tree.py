@@ -25,7 +25,9 @@ import torch
 
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import StaticEagle3, StaticLlama, compiled_pieces, needed_capacity, span_for, spans_up_to
+from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static_common import compiled_pieces, needed_capacity, span_for, spans_up_to
+from eyrie.decoding.static_drafter import StaticEagle3
 from eyrie.decoding.tree import TreeShape
 from eyrie.drafter.model import Eagle3Drafter
 
