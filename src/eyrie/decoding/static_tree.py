@@ -80,6 +80,7 @@ class StaticTree:
         self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
 
     def piece(self, name: str, *args):
+        """This tree's piece `name`, fused or eager as the drafter's pieces are (StaticEagle3.piece)."""
         return self.drafter.piece(name, *args, owner=self)
 
     # ---- drafting
@@ -132,9 +133,9 @@ class StaticTree:
     def _select(self, tokens, parents, scores, token, current, slots, cos_table, sin_table):
         """The verify's inputs from the drafted nodes: the N - 1 best by cumulative score, in drafting order, after
         the current token `token` (1, 1) at position `current` (1,). Returns (ids (1, N), parent row of each row (row 0
-        is its own), depth of each row, ancestry (N, N), mask over the cache slots `slots` (group * N, capacity; the
-        verify takes its span's columns, so that this piece compiles once per shape),
-        cos and sin (1, 1, N, hd) at position current + depth)."""
+        is its own), depth of each row, ancestry (N, N), mask over all cache slots `slots` (group * N, capacity), cos
+        and sin (1, 1, N, hd) at position current + depth). The verify takes the mask's span columns, so that this
+        piece compiles once per shape rather than once per span."""
         S, N, target = self.shape.steps, self.shape.draft_tokens, self.target
         chosen = torch.sort(torch.sort(-scores, stable=True).indices[: N - 1]).values
         row_of = torch.zeros(self.nodes + 1, dtype=torch.long, device=tokens.device)  # [nodes] (the root) stays row 0
