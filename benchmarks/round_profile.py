@@ -5,9 +5,10 @@
 
 The engine is eyrie's static decoder, compiled as `bench.compile` fuses it, but with CUDA graphs off so that each
 kernel shows up on its own: every decoder's step runs several times untimed (compilation), then --rounds steps are
-profiled. Each compiled piece (the target's layers, the drafter's pieces, a tree's frontier step, selection and accept)
-and the eager cache writes around them run inside a named range, and the table gives, per range and per step, the
-kernels launched and their summed device time. Inside a CUDA graph a step costs about its kernels' device time plus a
+profiled. Each compiled piece (the target's layer pieces, the drafter's pieces, a tree's frontier step, selection and
+accept) and the target's attention (its cache writes and SDPA) run inside a named range, and the table gives, per range
+and per step, the kernels launched and their summed device time; the remaining eager work (the drafter's cache writes,
+buffer updates) is the row "outside the ranges". Inside a CUDA graph a step costs about its kernels' device time plus a
 small gap per kernel, so the kernel counts and device times say which piece a shorter round has to come from.
 Without CUDA the device columns are empty and the CPU time of each range is shown instead.
 """

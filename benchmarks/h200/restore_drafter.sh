@@ -4,7 +4,7 @@
 # benchmarks it without regenerating or training. Carry the pieces as .device/collected/ (about 45 MiB: a call of
 # its own), then run pipeline.sh with the benchmark targets and --allowed-rules (docs/PERFORMANCE.md §1).
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
-W=${W:-/tmp/persist/w}; FROM=${FROM:-.device/collected}
+W=${W:-/tmp/persist/w}; FROM=$(realpath "${FROM:-.device/collected}")
 mkdir -p "$W" && cat "$FROM"/drafter.tar.* | tar xf - -C "$W" || exit 1
-(cd "$W" && sha256sum -c --quiet "$OLDPWD/$FROM/drafter.sha256") || { echo "the restored drafter does not match its sha256"; exit 1; }
+(cd "$W" && sha256sum -c --quiet "$FROM/drafter.sha256") || { echo "the restored drafter does not match its sha256"; exit 1; }
 ls -la "$W/results/drafter" "$W"/results/prompts/*

@@ -34,8 +34,8 @@ class StaticEagle3:
         # With the target's compile, the drafter's step is fused in pieces: fc (the extend's), the layer up to its
         # q/k/v, its attention over the cache with everything after it, and the head's norm, argmax and d2t mapping.
         # Each draft step was ~0.3 ms on an H200 unfused, about six of the target's fused layers; a round's kernels
-        # inside its graph cost ~3.7 us each on an H200 whatever they do, so fewer kernels is what pays. Only the
-        # cache writes stay eager.
+        # inside its graph cost roughly 3.7 us each on an H200 whatever they do (an estimate), so fewer kernels is
+        # what pays. Only the cache writes stay eager.
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
         self._fused = compiled_pieces(self, ("_project_aux", "_inputs", "_attend_outputs", "_token", "_top")) if target.compile else {}
         self.reallocate(target.capacity)
@@ -182,7 +182,7 @@ class ChainRounds:
             self.replays[span] = Replay(functools.partial(step, span), target.use_graphs, target.capture_failures)
 
     def _round(self, span: int) -> None:
-        """Extend, draft k, verify, accept: every input and output is a static buffer; attention over `span` slots."""
+        """Extend, draft k, verify, accept: every input and output is a static buffer; the target attends over `span` slots."""
         eagle, target, k = self.eagle, self.eagle.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
         hidden = eagle.piece("_project_aux", self.ext_aux)  # (1, k+1, 3H) -> (1, k+1, H)

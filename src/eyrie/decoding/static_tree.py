@@ -40,9 +40,9 @@ class StaticTree:
     the tree's own work, in pieces of fixed shapes: a frontier step's attention, layer output, top-K, scores and
     sort (one piece, whatever the depth: depths differ only in tensors passed in), the selection of the verified
     nodes with their masks, and the accept. Only cache writes and the buffer updates stay eager. A round's kernels
-    cost ~3.7 us each inside its graph on an H200, so a (6, 8, 32) round ran ~430 eager kernels besides the
-    target's when only the drafter's layer was fused. Inductor took minutes over a whole tree round on the CPU,
-    which is why the round is cut into pieces.
+    cost roughly 3.7 us each inside its graph on an H200 (an estimate), and a (6, 8, 32) round ran ~430 eager
+    kernels besides the target's when only the drafter's layer was fused. Inductor took minutes over a whole tree
+    round on the CPU, which is why the round is cut into pieces.
     """
 
     PIECES = ("_frontier", "_select", "_accept")
