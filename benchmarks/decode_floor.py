@@ -45,7 +45,7 @@ WARMUPS = 2  # untimed runs first: compilation, autotuning and graph capture hap
 SMALL = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=512)
 
 
-def random_drafter(model, k_vocab: int = 4096):
+def random_drafter(model, k_vocab: int = 32000):  # the pipeline's draft vocabulary (draft_vocab_size)
     from eyrie.drafter.model import DrafterShape, Eagle3Drafter
     from eyrie.target.aux_layers import default_aux_layer_ids
 
@@ -90,14 +90,14 @@ def run(dtype_name: str, args) -> list[dict]:
                "first_divergence_from_floor": None if floor_tokens is None else first_divergence(results[0].tokens, floor_tokens),
                "capture_failures": engine.capture_failures}
         if args.drafter_k:
-            drafter = random_drafter(model)
+            drafter = random_drafter(model, args.draft_vocab)
             spec = [speculative_decode(engine, drafter, prompt, args.tokens, set(), args.drafter_k) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
             best = min(spec, key=lambda r: r.seconds)
             row["ms_per_round"] = 1000 * (best.seconds - prefill) / best.rounds
             row["round_in_greedy_steps"] = row["ms_per_round"] / ms
             row["spec_lossless"] = best.tokens == results[0].tokens
         for steps, topk, draft_tokens in args.trees:  # what one tree round costs, in greedy steps
-            drafter = drafter if args.drafter_k else random_drafter(model)
+            drafter = drafter if args.drafter_k else random_drafter(model, args.draft_vocab)
             runs = [tree_decode(engine, drafter, prompt, args.tokens, set(), steps, topk, draft_tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
             best = min(runs, key=lambda r: r.seconds)
             row.setdefault("trees", []).append({"steps": steps, "topk": topk, "draft_tokens": draft_tokens,
@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the random drafter's draft vocabulary (before the "
+                        "thirteenth session: 4096, where PyTorch's top-K takes another path than at the pipeline's 32000)")
     parser.add_argument("--drafter-k", type=int, default=4, help="speculative rounds of this chain length with a random drafter (0: none)")
     parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[],
                         metavar="S,K,N", help="also time tree rounds of these SGLang (steps, topk, draft tokens), e.g. 5,4,8 8,10,64")

@@ -51,7 +51,7 @@ def ranges(engine: StaticLlama):
         saved.append((owner, name, owner.__dict__.get(name)))
         setattr(owner, name, labelled(getattr(owner, name), label))
 
-    for name in ("_project", "_finish", "_attend", "_fused_project", "_fused_finish"):  # the fused ones run while fusing
+    for name in ("_project", "_finish", "_attend", "_head", "_fused_project", "_fused_finish", "_fused_head"):  # the fused ones run while fusing
         if hasattr(engine, name):
             wrap(engine, name, f"target {name.replace('_fused', '').strip('_')}")
     original_piece = StaticEagle3.piece
@@ -78,19 +78,23 @@ def profile_steps(step, steps: int) -> dict[str, dict]:
                 step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    found = defaultdict(lambda: {"kernels": 0.0, "device_us": 0.0, "cpu_us": 0.0})
+    found = defaultdict(lambda: {"kernels": 0.0, "device_us": 0.0, "cpu_us": 0.0, "by_kernel": defaultdict(lambda: [0.0, 0.0])})
     for event in prof.events():
         if event.name == "whole step" or event.name.startswith(("target ", "piece ")):
             row = found[event.name]
             row["cpu_us"] += event.cpu_time_total / steps
-            row["kernels"] += kernels_under(event) / steps
-            row["device_us"] += getattr(event, "device_time_total", 0.0) / steps
+            kernels = kernels_under(event)
+            row["kernels"] += len(kernels) / steps
+            row["device_us"] += sum(kernel.duration for kernel in kernels) / steps  # busy time, not the range's span
+            for kernel in kernels:
+                row["by_kernel"][kernel.name][0] += 1 / steps
+                row["by_kernel"][kernel.name][1] += kernel.duration / steps
     return dict(found)
 
 
-def kernels_under(event) -> int:
-    """Kernels launched by `event` and every CPU op under it."""
-    return len(getattr(event, "kernels", [])) + sum(kernels_under(child) for child in event.cpu_children)
+def kernels_under(event) -> list:
+    """Kernels (profiler Kernel records: name, device, duration in us) launched by `event` and every CPU op under it."""
+    return list(getattr(event, "kernels", [])) + [kernel for child in event.cpu_children for kernel in kernels_under(child)]
 
 
 def main() -> None:
@@ -100,6 +104,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="steps profiled per decoder")
     parser.add_argument("--chain", type=int, default=4, help="chain length k (0: none)")
     parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[(6, 8, 32)], metavar="S,K,N")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the random drafter's draft vocabulary (the pipeline's: 32000)")
+    parser.add_argument("--kernels", type=int, default=0, help="print each range's N costliest kernels (name, count and us per step)")
     parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager pieces (CPU smoke test)")
     args = parser.parse_args()
@@ -111,7 +117,7 @@ def main() -> None:
     model = LlamaForCausalLM(LlamaConfig(**(SMALL if args.small else SMOLLM2))).to(device=device, dtype=getattr(torch, args.dtype)).eval()
     engine = StaticLlama(model, capacity=512, cuda_graphs=False, compile=args.compile)
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    eagle = engine.drafter_for(random_drafter(model))
+    eagle = engine.drafter_for(random_drafter(model, args.draft_vocab))
     span = 256
     steps = {"greedy step": engine.step_function(functools.partial(engine._greedy_step, span))}
     with torch.inference_mode():
@@ -139,6 +145,9 @@ def main() -> None:
         inside = {"kernels": 0.0, "device_us": 0.0}
         for name, row in named:  # no range runs inside another, so they add up
             print(f"  {name:24} {row['kernels']:7.1f} {row['device_us']:9.1f} {row['cpu_us']:9.0f}")
+            costliest = sorted(row["by_kernel"].items(), key=lambda item: -item[1][1])[: args.kernels]
+            for kernel, (count, us) in costliest:
+                print(f"      {count:5.1f} {us:8.1f}  {kernel[:100]}")
             inside["kernels"] += row["kernels"]
             inside["device_us"] += row["device_us"]
         print(f"  {'outside the ranges':24} {whole['kernels'] - inside['kernels']:7.1f} {whole['device_us'] - inside['device_us']:9.1f}")

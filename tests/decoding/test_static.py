@@ -303,10 +303,10 @@ def test_a_drafter_piece_that_fails_to_compile_runs_eagerly_and_says_why():
     def broken(*args):
         raise RuntimeError("inductor could not lower this\nlong trace")
 
-    eagle._fused["_attend_outputs"] = broken
+    eagle._fused["_draft_step"] = broken
     a, b = speculative_decode(eager, drafter, prompt, 16, set(), 3), speculative_decode(fused, drafter, prompt, 16, set(), 3)
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
-    assert eagle.fusion_failure == "_attend_outputs: RuntimeError: inductor could not lower this"
+    assert eagle.fusion_failure == "_draft_step: RuntimeError: inductor could not lower this"
 
 
 def test_compile_auto_fuses_on_cuda_only():

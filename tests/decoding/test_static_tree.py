@@ -81,9 +81,10 @@ def test_a_chain_setting_runs_on_the_chain_rounds_which_draft_what_a_one_wide_tr
 
 
 def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_rounds():
-    """With compile, a tree round runs in fused pieces: the drafter's fc, layer inputs, attention with its output and
-    head (the chain's), and the tree's frontier step (attention, output, top-K, scores, sort), selection and accept;
-    the tokens and accepted lengths are the eager rounds'."""
+    """With compile, a tree round runs in fused pieces with no drafting work between them: the extend with the root's
+    top-K, one piece per frontier step (the drafter's layer with its tree-slot writes, attention, output, top-K,
+    scores, sort), the selection, the target's head and the accept with the next round's buffers; the tokens and
+    accepted lengths are the eager rounds'."""
     model = tiny_target(vocab_size=300)
     drafter = random_drafter(model, 100, scale=0.2)
     prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -103,14 +104,12 @@ def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_roun
 
     eagle._fused = {name: counted(name, piece) for name, piece in eagle._fused.items()}
     tree._fused = {name: counted(name, piece) for name, piece in tree._fused.items()}
+    engine._fused_head = counted("head", engine._fused_head)
     fused = tree_decode(engine, drafter, prompt, 30, set(), steps, topk, draft_tokens)
     assert fused.tokens == eager.tokens and fused.acceptance_lengths == eager.acceptance_lengths
     assert eagle.fusion_failure is None
     rounds = len(fused.acceptance_lengths)
-    # Per round: the extend (fc, inputs, attention), the root's top-K, S - 1 frontier steps (inputs, then the
-    # frontier piece), the selection and the accept.
-    assert calls["_project_aux"] == calls["_attend_outputs"] == calls["_top"] == calls["_select"] == calls["_accept"] == rounds
-    assert calls["_inputs"] == rounds * steps and calls["_frontier"] == rounds * (steps - 1)
+    assert calls == {"_extend_top": rounds, "_step": rounds * (steps - 1), "_select": rounds, "head": rounds, "_accept": rounds}
 
 
 def test_a_longer_attention_span_compiles_nothing_new():

@@ -125,6 +125,7 @@ class StaticLlama:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._fused_project = torch.compile(self._project, dynamic=False, mode=COMPILE_MODE)
             self._fused_finish = torch.compile(self._finish, dynamic=False, mode=COMPILE_MODE)
+            self._fused_head = torch.compile(self._head, dynamic=False, mode=COMPILE_MODE)
         self._greedy_step_fn = self.step_function(self._greedy_step)
         self.capacity = 0
         self.ensure_capacity(capacity)
@@ -206,8 +207,18 @@ class StaticLlama:
         x = x + layer.self_attn.o_proj(attended)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, aux_layers=(), span: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(final normed hidden (1, T, H), aux (1, T, 3H) or None): ids (1, T) at positions (T,), cache written.
+    def _head(self, x):
+        """The target's greedy token ids (B, T) after its last layer's output x (B, T, H): final norm, lm_head, argmax."""
+        return self.model.lm_head(self.model.model.norm(x)).argmax(-1)
+
+    def head(self, x):
+        """_head, fused (one piece per step width) while a step function runs."""
+        return (self._fused_head if self.fusing else self._head)(x)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, aux_layers=(), span: int | None = None,
+                normed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final normed hidden (1, T, H), or the last layer's output with normed=False; aux (1, T, 3H) or None): ids
+        (1, T) at positions (T,), cache written.
 
         aux_layers: decoder layer indices whose outputs are concatenated (SGLang ids: layer i's output).
         span: cache slots attended (every position must be below it); None = the whole cache.
@@ -216,11 +227,12 @@ class StaticLlama:
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]  # (1, 1, T, hd)
         mask = self.slots[None, :span] <= positions[:, None]  # (T, span): a key slot is visible up to the query's position
         mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attend's grouped queries
-        return self.run_layers(ids, positions, cos, sin, mask, span, aux_layers=aux_layers)
+        return self.run_layers(ids, positions, cos, sin, mask, span, aux_layers=aux_layers, normed=normed)
 
-    def run_layers(self, ids, slots, cos, sin, mask, span: int, rows: slice = slice(None), aux_layers=()):
-        """(final normed hidden (B, T, H), aux (B, T, 3H) or None) of ids (B, T) whose K/V go to cache
-        `slots` (T,) of cache rows `rows`; cos, sin and mask as _project and _attend take them."""
+    def run_layers(self, ids, slots, cos, sin, mask, span: int, rows: slice = slice(None), aux_layers=(), normed: bool = True):
+        """(final normed hidden (B, T, H), or the last layer's output with normed=False; aux (B, T, 3H) or None) of
+        ids (B, T) whose K/V go to cache `slots` (T,) of cache rows `rows`; cos, sin and mask as _project and _attend
+        take them."""
         x = self.model.model.embed_tokens(ids)
         project, finish = (self._fused_project, self._fused_finish) if self.fusing else (self._project, self._finish)
         saved = {}
@@ -231,7 +243,7 @@ class StaticLlama:
             if index in aux_layers:
                 saved[index] = x
         aux = torch.cat([saved[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return self.model.model.norm(x), aux
+        return (self.model.model.norm(x) if normed else x), aux
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(1, T, vocab): for tests and callers that need more than the argmax."""
@@ -240,10 +252,10 @@ class StaticLlama:
 
     def predict(self, ids, positions, aux_layers=(), last_only: bool = False, span: int | None = None):
         """(argmax token ids (1, T) or (1, 1) when last_only, aux or None): no vocab-sized tensor leaves the device."""
-        hidden, aux = self.forward(ids, positions, aux_layers, span)
+        x, aux = self.forward(ids, positions, aux_layers, span, normed=False)
         if last_only:
-            hidden = hidden[:, -1:]
-        return self.model.lm_head(hidden).argmax(-1), aux
+            x = x[:, -1:]
+        return self.head(x), aux
 
     def prefill(self, prompt_ids: list[int], aux_layers=()):
         ids = torch.tensor([prompt_ids], device=self.device)

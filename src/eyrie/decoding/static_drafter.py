@@ -12,6 +12,7 @@ import torch
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
 from eyrie.decoding.static_common import STATIC_ROPE_TYPES, UnsupportedTargetError, compiled_pieces, span_for, spans_up_to
+from eyrie.decoding.topk import top_k
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices
 
@@ -21,7 +22,15 @@ class StaticEagle3:
 
     Calls the drafter's own fc, layer_inputs, project, attend, layer_output, head and d2t mapping,
     exactly as Eagle3Drafter.decode does; only the cache is a fixed buffer written by position.
+
+    With the target's compile, the drafter runs in compiled pieces, one graph per step width each: a round's extend
+    (fc, the layer, the cache write), a chain's draft step (the layer, the cache write, the head's argmax and d2t
+    mapping), the head alone and its top-K. A piece writes the cache inside (index_copy_ on its input), so a draft
+    step launches no eager kernel. Inside a round's CUDA graph each kernel costs ~2.7 us on an H200 whatever it does
+    (a greedy step: 617 kernels in 1.67 ms, benchmarks/round_profile.py), so fewer kernels is what pays.
     """
+
+    PIECES = ("_forward", "_extend", "_draft_step", "_token", "_top")
 
     def __init__(self, target, drafter: Eagle3Drafter):  # target: the StaticLlama drafted for
         rope_type = getattr(drafter.rotary.rope, "rope_type", "default")
@@ -31,13 +40,8 @@ class StaticEagle3:
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(target.layers)))
         self.rounds: dict[int, ChainRounds] = {}  # by draft length
-        # With the target's compile, the drafter's step is fused in pieces: fc (the extend's), the layer up to its
-        # q/k/v, its attention over the cache with everything after it, and the head's norm, argmax and d2t mapping.
-        # Each draft step was ~0.3 ms on an H200 unfused, about six of the target's fused layers; a round's kernels
-        # inside its graph cost roughly 3.7 us each on an H200 whatever they do (an estimate), so fewer kernels is
-        # what pays. Only the cache writes stay eager.
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
-        self._fused = compiled_pieces(self, ("_project_aux", "_inputs", "_attend_outputs", "_token", "_top")) if target.compile else {}
+        self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
@@ -51,45 +55,55 @@ class StaticEagle3:
         self.rounds = {}  # by draft length: their graphs point at the old buffers
         self.trees = {}  # eyrie.decoding.static_tree's rounds, by TreeShape: the same
 
+    @property
+    def cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, slots): what the pieces that attend to the drafter's cache take."""
+        return self.keys, self.values, self.slots
+
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,).
+        """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,), the
+        cache written at `positions`."""
+        return self.piece("_forward", hidden, ids, positions, *self.cache)
+
+    def draft_token(self, out: torch.Tensor) -> torch.Tensor:
+        """Target id (1, 1) of the drafter's greedy token after its output out (1, 1, H)."""
+        return self.piece("_token", out)
+
+    # The pieces: the drafter's own methods, in the order Eagle3Drafter.decode calls them.
+
+    def _forward(self, hidden, ids, positions, keys, values, slots):
+        """The drafter's layer over the cache keys/values (1, h, slots, hd), after writing this step's K/V at `positions`.
 
         The drafter attends over its whole cache, masked by position, not over the target's span: one layer's
         attention over a few hundred or thousand slots costs microseconds, while a piece per span was one more
         compile per step width and span (and per tree shape and span for eyrie.decoding.static_tree): with those,
         warm-up took 98-128 s per benchmark job on an H200.
         """
-        q, k, v = self.piece("_inputs", hidden, ids, positions)  # (1, h, T, hd)
-        self.keys.index_copy_(2, positions, k)
-        self.values.index_copy_(2, positions, v)
-        return self.piece("_attend_outputs", hidden, q, self.keys, self.values, self.slots, positions)
-
-    def draft_token(self, out: torch.Tensor) -> torch.Tensor:
-        """Target id (1, 1) of the drafter's greedy token after its output out (1, 1, H)."""
-        return self.piece("_token", out)
-
-    # The pieces forward and draft_token are made of: the drafter's own methods, in the order Eagle3Drafter.decode calls them.
-
-    def _project_aux(self, aux):
-        """The extend's g (1, T, H) from the target's aux states (1, T, 3H)."""
-        return self.drafter.project_aux(aux.to(self.dtype))
-
-    def _inputs(self, hidden, ids, positions):
         x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions[None])
-        return self.drafter.midlayer.self_attn.project(x, cos, sin)
-
-    def _attend_outputs(self, hidden, q, keys, values, slots, positions):
-        """The layer's output (1, T, H) after its attention: queries q at `positions` over cached keys/values (1, h,
-        slots, hd) of cache slots `slots`, each slot visible up to the query's position."""
+        q, k, v = self.drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, T, hd)
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
         mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, slots)
         return self.drafter.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
+
+    def _extend(self, aux, ids, start, last_row, offsets, keys, values, slots):
+        """A round's extend: the target's aux states (1, T, 3H) of positions start + offsets, each with the token after
+        it (ids (1, T)), rows past `last_row` (1,) padding. Returns (the last real row's output (1, 1, H), its position (1,))."""
+        out = self._forward(self.drafter.project_aux(aux.to(self.dtype)), ids, start + offsets, keys, values, slots)
+        return out.index_select(1, last_row), start + last_row
+
+    def _draft_step(self, out, token, last, offset, keys, values, slots):
+        """A chain's next draft: the layer on its own output out (1, 1, H) and the previous draft token (1, 1) at
+        position last + offset (1,). Returns (its output, its draft token (1, 1))."""
+        out = self._forward(out, token, last + offset, keys, values, slots)
+        return out, self._token(out)
 
     def _token(self, out):
         return self.drafter.draft_ids_to_target(self.drafter.head(out).argmax(-1))
 
     def _top(self, out, k: int):
         """(log-probabilities, draft ids) of the k likeliest draft tokens after each row of out (1, T, H): (T, k) each."""
-        return torch.log_softmax(self.drafter.head(out)[0].float(), dim=-1).topk(k, dim=-1)
+        return top_k(torch.log_softmax(self.drafter.head(out)[0].float(), dim=-1), k)
 
     def piece(self, name: str, *args, owner=None):
         """Piece `name` of `owner` (this drafter, or a StaticTree of it), compiled while the target fuses a step
@@ -173,6 +187,8 @@ class ChainRounds:
         self.ext_start = torch.zeros(1, dtype=torch.long, device=device)  # position of row 0
         self.ext_last = torch.zeros(1, dtype=torch.long, device=device)  # last real row: rows past it are padding
         self.round_out = torch.zeros(2 * k + 2, dtype=torch.long, device=device)  # [accepted, *predicted, *drafts]
+        self.step_offsets = [torch.full((1,), j, device=device) for j in range(1, k)]  # one tensor each: one compile for every j
+        self._fused = compiled_pieces(self, ("_accept",)) if eagle.target.compile else {}
         target = eagle.target
         step = target.step_function(self._round)
         self.replays = {}
@@ -185,21 +201,22 @@ class ChainRounds:
         """Extend, draft k, verify, accept: every input and output is a static buffer; the target attends over `span` slots."""
         eagle, target, k = self.eagle, self.eagle.target, self.k
         # Extend: the target's features of the newly accepted positions (padding rows write slots the chain overwrites).
-        hidden = eagle.piece("_project_aux", self.ext_aux)  # (1, k+1, 3H) -> (1, k+1, H)
-        out = eagle.forward(hidden, self.ext_ids, self.ext_start + self.offsets)
-        out = out.index_select(1, self.ext_last)  # (1, 1, H): the last real row
-        last = self.ext_start + self.ext_last  # (1,)
+        out, last = eagle.piece("_extend", self.ext_aux, self.ext_ids, self.ext_start, self.ext_last, self.offsets, *eagle.cache)
         drafts = [eagle.draft_token(out)]
-        for j in range(1, k):  # chain: own output and the previous draft's embedding
-            out = eagle.forward(out, drafts[-1], last + j)
-            drafts.append(eagle.draft_token(out))
-        drafts = torch.cat(drafts, dim=1)  # (1, k)
+        for j in range(1, k):  # chain: own output and the previous draft's embedding, at position last + j
+            out, draft = eagle.piece("_draft_step", out, drafts[-1], last, self.step_offsets[j - 1], *eagle.cache)
+            drafts.append(draft)
         # Verify [current, *drafts]; predicted[i] is the target's token after input i.
-        ids = torch.cat([target.token, drafts], dim=1)  # (1, k+1)
+        ids = torch.cat([target.token, *drafts], dim=1)  # (1, k+1)
         predicted, aux = target.predict(ids, target.position + self.offsets, eagle.aux_layers, span=span)
-        # Accept the longest agreeing prefix, then the target's own token (the bonus).
-        accepted = (drafts[0] == predicted[0, :k]).long().cumprod(0).sum().view(1)  # (1,)
-        # The next round's extend: features of current..current+k, the token after each (predicted), from `current`.
+        eagle.piece("_accept", ids, predicted, aux, owner=self)
+
+    def _accept(self, ids, predicted, aux):
+        """The longest agreeing prefix of the drafts ids[0, 1:], then the target's own token (the bonus); the next
+        round's extend: features of current..current+k, the token after each (predicted), from `current`."""
+        target, k = self.eagle.target, self.k
+        drafts = ids[0, 1:]
+        accepted = (drafts == predicted[0, :k]).long().cumprod(0).sum().view(1)  # (1,)
         self.ext_aux.copy_(aux)
         self.ext_ids.copy_(predicted)
         self.ext_start.copy_(target.position)
@@ -208,4 +225,4 @@ class ChainRounds:
         target.position.add_(accepted + 1)
         self.round_out[:1].copy_(accepted)
         self.round_out[1 : k + 2].copy_(predicted[0])
-        self.round_out[k + 2 :].copy_(drafts[0])
+        self.round_out[k + 2 :].copy_(drafts)

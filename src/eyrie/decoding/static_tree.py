@@ -45,7 +45,7 @@ class StaticTree:
     round on the CPU, which is why the round is cut into pieces.
     """
 
-    PIECES = ("_frontier", "_select", "_accept")
+    PIECES = ("_extend_top", "_step", "_select", "_accept")
 
     def __init__(self, drafter: StaticEagle3, shape: TreeShape):
         if shape.topk > drafter.drafter.shape.draft_vocab_size:
@@ -74,6 +74,13 @@ class StaticTree:
         self.frontier_depth = [torch.full((K,), depth, device=device) for depth in range(1, S)]
         self.own_slots = [self.eye[:K, :K].repeat(1, S - 1)[:, : max(tree_slots, 1)] & (slot_depth == depth)[None] for depth in range(1, S)]
         self.child_offset = [torch.full((1,), K + (depth - 1) * K * K, device=device) for depth in range(1, S)]
+        self.frontier_slots = [torch.arange((depth - 1) * K, depth * K, device=device) for depth in range(1, S)]
+        # Step 1's frontier: the root's K children, whose parent is `nodes` (row_of[nodes] is row 0, the current
+        # token), node indices 0..K-1, no ancestors among the tree slots.
+        self.root_parents = torch.full((K,), nodes, device=device)
+        self.first_nodes = torch.arange(K, device=device)
+        self.no_ancestry = torch.zeros(K, self.tree_keys.shape[2], dtype=torch.bool, device=device)
+        self.extend_offsets = torch.arange(S + 1, device=device)
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}
         self.nodes = nodes
@@ -85,15 +92,29 @@ class StaticTree:
 
     # ---- drafting
 
-    def _frontier(self, hidden, q, prefix_keys, prefix_values, prefix_slots, last, ancestry, scores, nodes, child_offset):
-        """One frontier step after its q/k/v: the K frontier nodes (hidden (1, K, H), queries q (1, h, K, hd), their
-        ancestry with their own tree slots (K, tree slots), cumulative scores (K,), node indices (K,)) attend to the
-        accepted prefix and their ancestors, and their top-K children are scored. Returns every child (target ids,
-        parent nodes, cumulative scores: (K^2,) each, frontier-major) and the next frontier: the best K children
-        by cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
+    def _extend_top(self, aux, ids, start, last_row, offsets, keys, values, slots):
+        """The extend (StaticEagle3._extend), then the root's top K: (step 1's frontier: the root's output for each
+        of the K nodes (1, K, H), cumulative scores (K,), target ids (K,); the root's position (1,))."""
+        out_root, last = self.drafter._extend(aux, ids, start, last_row, offsets, keys, values, slots)
+        scores, ids = (top[0] for top in self.drafter._top(out_root, self.shape.topk))
+        frontier = out_root.expand(1, self.shape.topk, -1).contiguous()  # contiguous: every depth's _step compiles once
+        return frontier, scores, self.drafter.drafter.draft_ids_to_target(ids), last
+
+    def _step(self, hidden, tokens, last, depth, own_slot_ids, prefix_keys, prefix_values, prefix_slots, tree_keys, tree_values,
+              ancestry, own, scores, nodes, child_offset):
+        """One frontier step: the K frontier nodes (outputs at their parents hidden (1, K, H), target ids `tokens`
+        (K,), at position last + depth) run the drafter's layer, writing their K/V to tree slots `own_slot_ids`, and
+        attend to the accepted prefix (the drafter's whole cache, masked by position), their ancestors (`ancestry`
+        (K, tree slots)) and themselves (`own`); their top-K children are scored. Returns every child (target ids,
+        parent nodes, cumulative scores: (K^2,) each, frontier-major) and the next frontier: the best K children by
+        cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
         K, drafter = self.shape.topk, self.drafter.drafter
-        seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])  # the accepted prefix (whole cache)
-        blocks = [(prefix_keys, prefix_values, seen), (self.tree_keys, self.tree_values, ancestry[None, None])]
+        x, cos, sin = drafter.layer_inputs(hidden, tokens[None], (last + depth)[None])
+        q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, K, hd)
+        tree_keys.index_copy_(2, own_slot_ids, k)
+        tree_values.index_copy_(2, own_slot_ids, v)
+        seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])
+        blocks = [(prefix_keys, prefix_values, seen), (tree_keys, tree_values, (ancestry | own)[None, None])]
         out = drafter.layer_output(hidden, drafter.midlayer.self_attn.attend(q, blocks))
         top, child_ids = self.drafter._top(out, K)  # (K, K)
         cumulative = (scores[:, None] + top).flatten()
@@ -102,41 +123,34 @@ class StaticTree:
         best = torch.sort(-cumulative, stable=True).indices[:K]  # children index i * K + j; ties to the earlier
         owner = best // K
         return (child_tokens, parents, cumulative,
-                out.index_select(1, owner), ancestry.index_select(0, owner), cumulative.index_select(0, best),
+                out.index_select(1, owner), (ancestry | own).index_select(0, owner), cumulative.index_select(0, best),
                 child_offset + best, child_tokens.index_select(0, best))
 
-    def _grow(self, out_root, last):
-        """(target ids, parent node (`nodes` for the root), cumulative log-probability) of every node, in drafting order."""
-        S, K, drafter = self.shape.steps, self.shape.topk, self.drafter
-        scores, ids = (top[0] for top in drafter.piece("_top", out_root, K))
-        frontier_tokens = drafter.drafter.draft_ids_to_target(ids)
-        # The root's children get parent `nodes`: row_of[nodes] is row 0, the current token.
-        tokens, parents, all_scores = [frontier_tokens], [torch.full_like(ids, self.nodes)], [scores]
-        nodes = torch.arange(K, device=ids.device)  # node indices, best first
-        hidden = out_root.expand(1, K, -1)
-        ancestry = torch.zeros(K, self.tree_keys.shape[2], dtype=torch.bool, device=ids.device)
-        prefix = (drafter.keys, drafter.values, drafter.slots, last)  # attended whole, masked: no piece per span
-        for depth in range(1, S):
-            q, k, v = drafter.piece("_inputs", hidden, frontier_tokens[None], last + self.frontier_depth[depth - 1])  # (1, h, K, hd)
-            first = (depth - 1) * K  # this step's tree slots
-            self.tree_keys[:, :, first : first + K] = k
-            self.tree_values[:, :, first : first + K] = v
-            step = self.piece("_frontier", hidden, q, *prefix, ancestry | self.own_slots[depth - 1], scores, nodes,
-                              self.child_offset[depth - 1])
-            for column, value in zip((tokens, parents, all_scores), step[:3]):
+    def _grow(self, frontier, scores, tokens, last):
+        """(target ids, parent node (`nodes` for the root), cumulative log-probability) of every node in drafting
+        order, each as a list of one tensor per depth; from step 1's frontier (_extend_top)."""
+        hidden, ancestry, nodes = frontier, self.no_ancestry, self.first_nodes
+        drafted, parents, all_scores = [tokens], [self.root_parents], [scores]
+        for depth in range(1, self.shape.steps):
+            step = self.piece("_step", hidden, tokens, last, self.frontier_depth[depth - 1], self.frontier_slots[depth - 1],
+                              *self.drafter.cache, self.tree_keys, self.tree_values, ancestry, self.own_slots[depth - 1],
+                              scores, nodes, self.child_offset[depth - 1])
+            for column, value in zip((drafted, parents, all_scores), step[:3]):
                 column.append(value)
-            hidden, ancestry, scores, nodes, frontier_tokens = step[3:]
-        return torch.cat(tokens), torch.cat(parents), torch.cat(all_scores)
+            hidden, ancestry, scores, nodes, tokens = step[3:]
+        return drafted, parents, all_scores
 
     # ---- the round
 
     def _select(self, tokens, parents, scores, token, current, slots, cos_table, sin_table):
-        """The verify's inputs from the drafted nodes: the N - 1 best by cumulative score, in drafting order, after
-        the current token `token` (1, 1) at position `current` (1,). Returns (ids (1, N), parent row of each row (row 0
-        is its own), depth of each row, ancestry (N, N), mask over all cache slots `slots` (group * N, capacity), cos
-        and sin (1, 1, N, hd) at position current + depth). The verify takes the mask's span columns, so that this
-        piece compiles once per shape rather than once per span."""
+        """The verify's inputs from the drafted nodes (tokens, parents, scores: lists of one tensor per depth, as
+        _grow returns them): the N - 1 best by cumulative score, in drafting order, after the current token `token`
+        (1, 1) at position `current` (1,). Returns (ids (1, N), cache slots (N,): current + row, parent row of each
+        row (row 0 is its own), depth of each row, ancestry (N, N), mask over all cache slots `slots` (group * N,
+        capacity), cos and sin (1, 1, N, hd) at position current + depth). The verify takes the mask's span columns,
+        so that this piece compiles once per shape rather than once per span."""
         S, N, target = self.shape.steps, self.shape.draft_tokens, self.target
+        tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
         chosen = torch.sort(torch.sort(-scores, stable=True).indices[: N - 1]).values
         row_of = torch.zeros(self.nodes + 1, dtype=torch.long, device=tokens.device)  # [nodes] (the root) stays row 0
         row_of[chosen] = self.rows[1:]
@@ -153,12 +167,13 @@ class StaticTree:
         mask = mask.repeat(target.heads // target.kv_heads, 1)
         positions = current + verify_depths
         cos, sin = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
-        return verify_tokens[None], verify_parents, verify_depths, ancestry, mask, cos, sin
+        return verify_tokens[None], current + self.rows, verify_parents, verify_depths, ancestry, mask, cos, sin
 
-    def _accept(self, verify_tokens, predicted, verify_parents, verify_depths, ancestry):
-        """The deepest row whose whole path the target agrees with (the first at that depth): (accepted (1,), the path's
-        rows at depths 0..S (S + 1,), past `accepted` padding; the target's token after each path row (S + 1,))."""
-        S = self.shape.steps
+    def _accept(self, verify_tokens, predicted, verify_parents, verify_depths, ancestry, aux, current):
+        """The deepest row whose whole path the target agrees with (the first at that depth), then the bonus; the next
+        round's inputs (the extend's buffers, the target's token and position, round_out) are written here. Returns
+        the cache slots the accepted path's K/V move from and to, (S,) each (past `accepted`: padding)."""
+        S, target = self.shape.steps, self.target
         agreed = self.root
         for _ in range(S):  # row 0 is its own parent: `| root` keeps it agreed (no host scalar inside a graph)
             agreed = ((verify_tokens == predicted.index_select(0, verify_parents)) & agreed.index_select(0, verify_parents)) | self.root
@@ -167,28 +182,8 @@ class StaticTree:
         on_path = ancestry.index_select(0, best)[0]
         depth_rows = (on_path[None] & (verify_depths[None] == self.depth_range[:, None])).long().argmax(1)
         path = torch.cat([self.rows[:1], depth_rows])  # (S + 1,): rows of depths 0..S (past `accepted`: padding)
-        return accepted, path, predicted.index_select(0, path)  # the path's own tokens, then the bonus
-
-    def _round(self, span: int) -> None:
-        S = self.shape.steps
-        target, drafter = self.target, self.drafter
-        # Extend: the accepted positions' target features (rows past ext_last are padding the tree never sees).
-        hidden = drafter.piece("_project_aux", self.ext_aux)
-        out = drafter.forward(hidden, self.ext_ids, self.ext_start + torch.arange(S + 1, device=drafter.device))
-        out_root = out.index_select(1, self.ext_last)  # (1, 1, H)
-        last = self.ext_start + self.ext_last  # position whose next token is target.token
-
-        tokens, parents, scores = self._grow(out_root, last)
-        current = target.position
-        ids, verify_parents, verify_depths, ancestry, mask, cos, sin = self.piece(
-            "_select", tokens, parents, scores, target.token, current, target.slots, target.cos, target.sin)
-        hidden, aux = target.run_layers(ids, current + self.rows, cos, sin, mask[:, :span], span, aux_layers=drafter.aux_layers)
-        predicted = target.model.lm_head(hidden).argmax(-1)[0]  # (N,): the target's token after each row
-        accepted, path, new = self.piece("_accept", ids[0], predicted, verify_parents, verify_depths, ancestry)
-
-        # The path's K/V to slots current + 1.., every layer at once (index_select copies before the write).
-        for cache in (target.keys, target.values):
-            cache.index_copy_(3, current + self.depth_range, cache.index_select(3, current + path[1:]))
+        new = predicted.index_select(0, path)  # the path's own tokens, then the bonus
+        moved = current + path[1:], current + self.depth_range  # before `current` (the target's position) moves on
         self.ext_aux.copy_(aux.index_select(1, path))
         self.ext_ids.copy_(new[None])
         self.ext_start.copy_(current)
@@ -197,6 +192,23 @@ class StaticTree:
         target.position.add_(accepted + 1)
         self.round_out[:1].copy_(accepted)
         self.round_out[1:].copy_(new)
+        return moved
+
+    def _round(self, span: int) -> None:
+        target, drafter = self.target, self.drafter
+        # Extend: the accepted positions' target features (rows past ext_last are padding the tree never sees).
+        frontier, scores, tokens, last = self.piece("_extend_top", self.ext_aux, self.ext_ids, self.ext_start, self.ext_last,
+                                                    self.extend_offsets, *drafter.cache)
+        drafted = self._grow(frontier, scores, tokens, last)
+        current = target.position
+        ids, slots, verify_parents, verify_depths, ancestry, mask, cos, sin = self.piece(
+            "_select", *drafted, target.token, current, target.slots, target.cos, target.sin)
+        x, aux = target.run_layers(ids, slots, cos, sin, mask[:, :span], span, aux_layers=drafter.aux_layers, normed=False)
+        predicted = target.head(x)[0]  # (N,): the target's token after each row
+        moved_from, moved_to = self.piece("_accept", ids[0], predicted, verify_parents, verify_depths, ancestry, aux, current)
+        # The path's K/V to slots current + 1.., every layer at once (index_select copies before the write).
+        for cache in (target.keys, target.values):
+            cache.index_copy_(3, moved_to, cache.index_select(3, moved_from))
 
     def _graph_for(self, span: int) -> Replay:
         if span not in self.graphs:
