@@ -135,6 +135,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['dtype']:9} {r['decoder']:28} {r['ms_per_token']:9.3f} {r['ratio_to_floor']:8.2f} {str(r['first_divergence_from_floor']):>11} "
               f"{r.get('ms_per_round', float('nan')):9.3f} {r.get('round_in_greedy_steps', float('nan')):10.2f}"
+              + (f"  lossless {r['spec_lossless']}" if "spec_lossless" in r else "")
               + ("" if not r["capture_failures"] else f"  CAPTURE FAILED: {r['capture_failures'][:1]}"))
         for t in r.get("trees", []):
             print(f"{'':9} {'  tree ' + str((t['steps'], t['topk'], t['draft_tokens'])):28} {'':9} {'':8} {'':11} "

@@ -26,8 +26,9 @@ class StaticEagle3:
     With the target's compile, the drafter runs in compiled pieces, one graph per step width each: a round's extend
     (fc, the layer, the cache write), a chain's draft step (the layer, the cache write, the head's argmax and d2t
     mapping), the head alone and its top-K. A piece writes the cache inside (index_copy_ on its input), so a draft
-    step launches no eager kernel. Inside a round's CUDA graph each kernel costs ~2.7 us on an H200 whatever it does
-    (a greedy step: 617 kernels in 1.67 ms, benchmarks/round_profile.py), so fewer kernels is what pays.
+    step launches no eager kernel. At batch 1 nearly every kernel is tiny and costs ~2 us on an H200 however little it
+    does (a greedy step: 610 kernels, 1.36 ms of kernel time in a 1.7 ms step, benchmarks/round_profile.py), so fewer
+    kernels is what pays.
     """
 
     PIECES = ("_forward", "_extend", "_draft_step", "_token", "_top")

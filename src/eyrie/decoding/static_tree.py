@@ -37,12 +37,13 @@ class StaticTree:
 
     With the target's compile=True the verify's layers run fused like greedy steps and chain rounds (two compiled
     pieces per layer, shared by every layer and span, eyrie.decoding.static.StaticLlama.step_function), and so does
-    the tree's own work, in pieces of fixed shapes: a frontier step's attention, layer output, top-K, scores and
-    sort (one piece, whatever the depth: depths differ only in tensors passed in), the selection of the verified
-    nodes with their masks, and the accept. Only cache writes and the buffer updates stay eager. A round's kernels
-    cost roughly 3.7 us each inside its graph on an H200 (an estimate), and a (6, 8, 32) round ran ~430 eager
-    kernels besides the target's when only the drafter's layer was fused. Inductor took minutes over a whole tree
-    round on the CPU, which is why the round is cut into pieces.
+    the tree's own work, in pieces of fixed shapes: the extend with the root's top-K; a frontier step (the drafter's
+    layer with its cache writes, attention, output, top-K, scores and sort: one piece, whatever the depth, as depths
+    differ only in tensors passed in); the selection of the verified nodes with their masks; the accept with the next
+    round's buffers. Only the target's attention and the accepted path's K/V move stay eager. At batch 1 nearly every
+    kernel costs ~2 us on an H200 however little it does, so fewer kernels is what pays; a frontier step is ~35
+    kernels, a third of them the matrix products. Inductor took minutes over a whole tree round on the CPU, which is
+    why the round is cut into pieces.
     """
 
     PIECES = ("_extend_top", "_step", "_select", "_accept")

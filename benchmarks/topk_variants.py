@@ -1,0 +1,97 @@
+"""Top-K of a few rows of the draft vocabulary, several ways, side by side on one GPU (each inside a CUDA graph).
+
+    python benchmarks/topk_variants.py            # on a GPU; --rows 10 1 --width 32000 --k 10 by default
+
+A tree round's frontier step takes the top K of K rows of ~32,000 log-probabilities (eyrie.decoding.topk). Prints
+microseconds per call and the ratio to torch.topk for: torch.topk; two stages of topk over chunks (eyrie's
+top_k); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for chunks up to 4,096). Every
+variant's values are checked against torch.topk's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from eyrie.decoding.topk import top_k
+
+
+def chunked(values, k, size, first):
+    rows, width = values.shape
+    chunks = width // size
+    parts = values.view(rows, chunks, size)
+    if first == "sort":
+        part_values, part_ids = parts.sort(dim=-1, descending=True)
+        part_values, part_ids = part_values[..., :k], part_ids[..., :k]
+    else:
+        part_values, part_ids = parts.topk(k, dim=-1, sorted=False)
+    starts = torch.arange(0, width, size, device=values.device)[None, :, None]
+    best_values, best = part_values.reshape(rows, chunks * k).topk(k, dim=-1)
+    return best_values, (part_ids + starts).reshape(rows, chunks * k).gather(1, best)
+
+
+def via_chunk_maxima(values, k, size):
+    """The top k lie in the k chunks with the largest maxima: top k of the maxima, then of those chunks' values."""
+    rows, width = values.shape
+    parts = values.view(rows, width // size, size)
+    top_chunks = parts.amax(-1).topk(k, dim=-1).indices  # (rows, k)
+    candidates = parts.gather(1, top_chunks[..., None].expand(rows, k, size)).reshape(rows, k * size)
+    best_values, best = candidates.topk(k, dim=-1)
+    ids = (top_chunks[..., None] * size + torch.arange(size, device=values.device)).reshape(rows, k * size)
+    return best_values, ids.gather(1, best)
+
+
+def time_call(fn, calls: int = 50, repeats: int = 5) -> float:
+    """Microseconds per call: `calls` calls captured in one CUDA graph, median of `repeats` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000 * start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="*", default=[10, 1])
+    parser.add_argument("--width", type=int, default=32000)
+    parser.add_argument("--k", type=int, default=10)
+    args = parser.parse_args()
+    variants = {"torch.topk": lambda x, k: x.topk(k, dim=-1), "eyrie top_k": top_k}
+    for size in (1000, 2000, 4000):
+        if args.width % size == 0:
+            variants[f"topk chunks of {size}"] = lambda x, k, size=size: chunked(x, k, size, "topk")
+            variants[f"sort chunks of {size}"] = lambda x, k, size=size: chunked(x, k, size, "sort")
+    for size in (32, 64, 128):
+        if args.width % size == 0:
+            variants[f"chunk maxima of {size}"] = lambda x, k, size=size: via_chunk_maxima(x, k, size)
+            variants[f"... compiled {size}"] = torch.compile(lambda x, k, size=size: via_chunk_maxima(x, k, size), dynamic=False)
+    for rows in args.rows:
+        values = torch.log_softmax(torch.randn(rows, args.width, device="cuda"), dim=-1)
+        expected = values.topk(args.k, dim=-1).values
+        print(f"\n{rows} rows of {args.width}, k {args.k}: us per call (x torch.topk)")
+        base = None
+        for name, fn in variants.items():
+            got_values, got_ids = fn(values, args.k)
+            assert torch.equal(got_values, expected) and torch.equal(values.gather(1, got_ids), expected), name
+            us = time_call(lambda fn=fn: fn(values, args.k))
+            base = base or us
+            print(f"  {name:24} {us:8.2f}  x{us / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()
