@@ -5,7 +5,8 @@
 A tree round's frontier step takes the top K of K rows of ~32,000 log-probabilities (eyrie.decoding.topk). Prints
 microseconds per call and the ratio to torch.topk for: torch.topk; two stages of topk over chunks (eyrie's
 top_k); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for chunks up to 4,096). Every
-variant's values are checked against torch.topk's.
+variant's values are checked against torch.topk's. eyrie's ranked_top_k (no radix select, no sort: reductions and
+gathers) runs compiled, as the tree's pieces run it, and eagerly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 
 import torch
 
-from eyrie.decoding.topk import top_k
+from eyrie.decoding.topk import ranked_top_k, top_k
 
 
 def chunked(values, k, size, first):
@@ -71,7 +72,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32000)
     parser.add_argument("--k", type=int, default=10)
     args = parser.parse_args()
-    variants = {"torch.topk": lambda x, k: x.topk(k, dim=-1), "eyrie top_k": top_k}
+    variants = {"torch.topk": lambda x, k: x.topk(k, dim=-1), "eyrie top_k": top_k,
+                "ranked_top_k, compiled": torch.compile(ranked_top_k, dynamic=False), "ranked_top_k, eager": ranked_top_k}
     for size in (1000, 2000, 4000):
         if args.width % size == 0:
             variants[f"topk chunks of {size}"] = lambda x, k, size=size: chunked(x, k, size, "topk")

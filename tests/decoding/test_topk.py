@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyrie.decoding.topk import chunks_for, top_k
+from eyrie.decoding.topk import chunk_size_for_ranking, chunks_for, ranked_top_k, top_k
 
 
+@pytest.mark.parametrize("way", [top_k, ranked_top_k])
 @pytest.mark.parametrize("width", [32000, 16000, 8192, 4096, 32003])
 @pytest.mark.parametrize("rows, k", [(1, 10), (10, 10), (8, 1), (6, 16)])
-def test_top_k_is_torch_topk(rows, k, width):
+def test_top_k_is_torch_topk(rows, k, width, way):
     values = torch.randn(rows, width, generator=torch.Generator().manual_seed(width + k))  # distinct values
     expected = values.topk(k, dim=-1)
-    got = top_k(values, k)
+    got = way(values, k)
     assert torch.equal(got[0], expected.values) and torch.equal(got[1], expected.indices)
 
 
@@ -31,3 +32,17 @@ def test_ties_give_torch_topks_values_and_indices_that_hold_them():
     assert torch.equal(got_values, values.topk(4, dim=-1).values)
     assert torch.equal(values.gather(1, got_ids), got_values)
     assert got_ids[:, 0].tolist() == [5, 5, 5] and set(got_ids[1, 1:3].tolist()) == {7, 31999}
+
+
+def test_ranked_top_k_breaks_ties_by_index_and_compiles_to_the_same_result():
+    values = torch.zeros(3, 32000)
+    values[:, 31000], values[:, 7], values[:, 20000] = 1.0, 2.0, 2.0  # a tie for first, across two chunks
+    got_values, got_ids = ranked_top_k(values, 4)
+    assert got_values[:, :3].tolist() == [[2.0, 2.0, 1.0]] * 3
+    assert got_ids[:, :3].tolist() == [[7, 20000, 31000]] * 3
+    assert got_ids[:, 3].tolist() == [0, 0, 0]  # then zeros, the smallest index first
+    assert chunk_size_for_ranking(32000, 10) == 50 and chunk_size_for_ranking(32003, 10) is None
+    rows = torch.log_softmax(torch.randn(10, 8192, generator=torch.Generator().manual_seed(0)), dim=-1)
+    compiled = torch.compile(ranked_top_k, dynamic=False)(rows, 10)
+    expected = rows.topk(10, dim=-1)
+    assert torch.equal(compiled[0], expected.values) and torch.equal(compiled[1], expected.indices)

@@ -52,14 +52,18 @@ class StaticEagle3:
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.slots = torch.arange(capacity, device=self.device)
+        # The drafter's own rotary tables at every slot, looked up by position: computed per step, they cost a float32
+        # matrix product (~3 us on an H200) in every draft step. Each entry is the same product either way.
+        cos, sin = self.drafter.rotary(torch.zeros(1, device=self.device, dtype=self.dtype), self.slots[None])
+        self.cos, self.sin = cos[0, 0].to(self.dtype), sin[0, 0].to(self.dtype)  # (capacity, hd)
         self.capacity = capacity
         self.rounds = {}  # by draft length: their graphs point at the old buffers
         self.trees = {}  # eyrie.decoding.static_tree's rounds, by TreeShape: the same
 
     @property
-    def cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, slots): what the pieces that attend to the drafter's cache take."""
-        return self.keys, self.values, self.slots
+    def cache(self) -> tuple[torch.Tensor, ...]:
+        """(keys, values, slots, cos, sin): what the pieces that run the drafter's layer on its cache take."""
+        return self.keys, self.values, self.slots, self.cos, self.sin
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pre-norm outputs (1, T, H) of hidden (1, T, H) with the next tokens ids (1, T) at positions (T,), the
@@ -72,31 +76,33 @@ class StaticEagle3:
 
     # The pieces: the drafter's own methods, in the order Eagle3Drafter.decode calls them.
 
-    def _forward(self, hidden, ids, positions, keys, values, slots):
-        """The drafter's layer over the cache keys/values (1, h, slots, hd), after writing this step's K/V at `positions`.
+    def _forward(self, hidden, ids, positions, keys, values, slots, cos, sin):
+        """The drafter's layer over the cache keys/values (1, h, slots, hd), after writing this step's K/V at `positions`;
+        cos and sin are the rotary tables (slots, hd).
 
         The drafter attends over its whole cache, masked by position, not over the target's span: one layer's
         attention over a few hundred or thousand slots costs microseconds, while a piece per span was one more
         compile per step width and span (and per tree shape and span for eyrie.decoding.static_tree): with those,
         warm-up took 98-128 s per benchmark job on an H200.
         """
-        x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions[None])
+        rotary = cos.index_select(0, positions)[None, None], sin.index_select(0, positions)[None, None]
+        x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions[None], rotary)
         q, k, v = self.drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, T, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
         mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, slots)
         return self.drafter.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
 
-    def _extend(self, aux, ids, start, last_row, offsets, keys, values, slots):
+    def _extend(self, aux, ids, start, last_row, offsets, *cache):
         """A round's extend: the target's aux states (1, T, 3H) of positions start + offsets, each with the token after
         it (ids (1, T)), rows past `last_row` (1,) padding. Returns (the last real row's output (1, 1, H), its position (1,))."""
-        out = self._forward(self.drafter.project_aux(aux.to(self.dtype)), ids, start + offsets, keys, values, slots)
+        out = self._forward(self.drafter.project_aux(aux.to(self.dtype)), ids, start + offsets, *cache)
         return out.index_select(1, last_row), start + last_row
 
-    def _draft_step(self, out, token, last, offset, keys, values, slots):
+    def _draft_step(self, out, token, last, offset, *cache):
         """A chain's next draft: the layer on its own output out (1, 1, H) and the previous draft token (1, 1) at
         position last + offset (1,). Returns (its output, its draft token (1, 1))."""
-        out = self._forward(out, token, last + offset, keys, values, slots)
+        out = self._forward(out, token, last + offset, *cache)
         return out, self._token(out)
 
     def _token(self, out):

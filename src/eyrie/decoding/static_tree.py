@@ -93,16 +93,16 @@ class StaticTree:
 
     # ---- drafting
 
-    def _extend_top(self, aux, ids, start, last_row, offsets, keys, values, slots):
+    def _extend_top(self, aux, ids, start, last_row, offsets, *cache):
         """The extend (StaticEagle3._extend), then the root's top K: (step 1's frontier: the root's output for each
         of the K nodes (1, K, H), cumulative scores (K,), target ids (K,); the root's position (1,))."""
-        out_root, last = self.drafter._extend(aux, ids, start, last_row, offsets, keys, values, slots)
+        out_root, last = self.drafter._extend(aux, ids, start, last_row, offsets, *cache)
         scores, ids = (top[0] for top in self.drafter._top(out_root, self.shape.topk))
         frontier = out_root.expand(1, self.shape.topk, -1).contiguous()  # contiguous: every depth's _step compiles once
         return frontier, scores, self.drafter.drafter.draft_ids_to_target(ids), last
 
-    def _step(self, hidden, tokens, last, depth, own_slot_ids, prefix_keys, prefix_values, prefix_slots, tree_keys, tree_values,
-              ancestry, own, scores, nodes, child_offset):
+    def _step(self, hidden, tokens, last, depth, own_slot_ids, prefix_keys, prefix_values, prefix_slots, cos_table, sin_table,
+              tree_keys, tree_values, ancestry, own, scores, nodes, child_offset):
         """One frontier step: the K frontier nodes (outputs at their parents hidden (1, K, H), target ids `tokens`
         (K,), at position last + depth) run the drafter's layer, writing their K/V to tree slots `own_slot_ids`, and
         attend to the accepted prefix (the drafter's whole cache, masked by position), their ancestors (`ancestry`
@@ -110,7 +110,9 @@ class StaticTree:
         parent nodes, cumulative scores: (K^2,) each, frontier-major) and the next frontier: the best K children by
         cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
         K, drafter = self.shape.topk, self.drafter.drafter
-        x, cos, sin = drafter.layer_inputs(hidden, tokens[None], (last + depth)[None])
+        positions = last + depth
+        rotary = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
+        x, cos, sin = drafter.layer_inputs(hidden, tokens[None], positions[None], rotary)
         q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, K, hd)
         tree_keys.index_copy_(2, own_slot_ids, k)
         tree_values.index_copy_(2, own_slot_ids, v)

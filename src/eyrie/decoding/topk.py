@@ -38,3 +38,47 @@ def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     candidates = (chunk_ids + starts).view(rows, chunks * k)
     best_values, best = chunk_values.view(rows, chunks * k).topk(k, dim=-1)
     return best_values, candidates.gather(1, best)
+
+
+def ranked_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k without any radix select or sort: only reductions and gathers, which inductor fuses into a few kernels.
+
+    The k largest values of a row lie in the k chunks with the largest maxima (each of those k maxima is at least
+    the k-th largest chunk maximum, so the row's k-th largest value is too, and no other chunk holds a larger one).
+    So: chunk maxima, each ranked by counting the maxima before it; the k best chunks gathered; their values ranked
+    the same way. Ties go to the smaller index, so the result is deterministic. Not yet timed against top_k on a GPU
+    (benchmarks/topk_variants.py); falls back to top_k where the row has no suitable chunk size.
+    """
+    rows, width = values.shape
+    chunk = chunk_size_for_ranking(width, k)
+    if chunk is None:
+        return top_k(values, k)
+    chunks = width // chunk
+    parts = values.view(rows, chunks, chunk)
+    chunk_ids = torch.arange(chunks, device=values.device).expand(rows, chunks)
+    chosen = _by_rank(_ranks(parts.amax(-1), chunk_ids), chunk_ids, k)  # (rows, k): the best chunks, best first
+    candidates = parts.gather(1, chosen[..., None].expand(rows, k, chunk)).reshape(rows, k * chunk)
+    candidate_ids = (chosen[..., None] * chunk + torch.arange(chunk, device=values.device)).reshape(rows, k * chunk)
+    ranks = _ranks(candidates, candidate_ids)
+    return _by_rank(ranks, candidates, k), _by_rank(ranks, candidate_ids, k)
+
+
+def chunk_size_for_ranking(width: int, k: int) -> int | None:
+    """The divisor of width nearest sqrt(width / k), which balances the two rankings' work (chunks^2 and (k * chunk)^2
+    comparisons per row); None when no divisor lies within a factor of two of it."""
+    ideal = (width / k) ** 0.5
+    sizes = [size for size in range(max(1, int(ideal / 2)), int(ideal * 2) + 1) if width % size == 0 and width // size >= k]
+    return min(sizes, key=lambda size: abs(size - ideal)) if sizes else None
+
+
+def _ranks(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each column's rank in its row (rows, n): how many columns have a larger key, or an equal key and a smaller id."""
+    above = keys[:, None, :] > keys[:, :, None]
+    tied_before = (keys[:, None, :] == keys[:, :, None]) & (ids[:, None, :] < ids[:, :, None])
+    return (above | tied_before).sum(-1)
+
+
+def _by_rank(ranks: torch.Tensor, items: torch.Tensor, k: int) -> torch.Tensor:
+    """The items of ranks 0..k-1 of each row, in rank order (rows, k); the rest go to a spare column, dropped."""
+    placed = torch.zeros(items.shape[0], k + 1, dtype=items.dtype, device=items.device)
+    return placed.scatter_(1, ranks.clamp(max=k), items)[:, :k]

@@ -342,12 +342,14 @@ class Eagle3Drafter(nn.Module):
             aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
 
-    def layer_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor):
-        """Normalised 2H input of the attention and the rotary tables for these positions."""
+    def layer_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, rotary=None):
+        """Normalised 2H input of the attention and the rotary tables for these positions. rotary: (cos, sin) (B, 1,
+        T, hd) for these positions, from a caller that keeps tables of self.rotary (eyrie.decoding.static_drafter),
+        else computed here."""
         layer = self.midlayer
         embeds = F.embedding(input_ids, self.embed_weight).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        cos, sin = self.rotary(x, positions)
+        cos, sin = self.rotary(x, positions) if rotary is None else rotary
         return x, cos.to(x.dtype), sin.to(x.dtype)
 
     def layer_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
