@@ -8,6 +8,8 @@ Two engines side by side in one call (an earlier commit's src/ unpacked in /tmp/
     PYTHONPATH=/tmp/base/src python benchmarks/decode_floor.py --no-floor --compiled-only --out base.json ...
     PYTHONPATH=src python benchmarks/decode_floor.py --no-floor --compiled-only --against base.json ...
 
+Two top-K ways of the tree rounds the same way: `--top-k two-stage --out a.json`, then `--top-k ranked --against a.json`.
+
 The target is a random-weight model of the default target's shape (SmolLM2-135M: hidden 576, 30 layers,
 9 heads / 3 KV heads, vocab 49152; `--small` shrinks it). Three greedy decoders run on the same weights:
 
@@ -38,11 +40,15 @@ from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.floor import FloorDecoder
 from eyrie.decoding.static import StaticLlama
 from eyrie.decoding.static_common import needed_capacity
+from eyrie.decoding.topk import ranked_top_k, top_k
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
                vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 WARMUPS = 2  # untimed runs first: compilation, autotuning and graph capture happen in them
 SMALL = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=512)
+
+
+TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": top_k, "ranked": ranked_top_k}
 
 
 def random_drafter(model, k_vocab: int = 32000):  # the pipeline's draft vocabulary (draft_vocab_size)
@@ -126,7 +132,13 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--against", help="rows an earlier run wrote with --out (e.g. the previous engine's source on PYTHONPATH, "
                                           "in the same call): print this run's ms over that one's, row by row")
+    parser.add_argument("--top-k", choices=sorted(TOP_K_WAYS), help="the tree rounds' top-K over the draft vocabulary, in "
+                        "place of eyrie's default (eyrie.decoding.topk): run once per way, --out then --against, to compare them")
     args = parser.parse_args()
+    if args.top_k:
+        import eyrie.decoding.static_drafter
+
+        eyrie.decoding.static_drafter.top_k = TOP_K_WAYS[args.top_k]  # StaticEagle3._top looks it up at call time
     rows = [row for dtype in args.dtypes for row in run(dtype, args)]
     if args.out:
         with open(args.out, "w") as f:
