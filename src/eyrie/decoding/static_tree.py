@@ -40,10 +40,10 @@ class StaticTree:
     the tree's own work, in pieces of fixed shapes: the extend with the root's top-K; a frontier step (the drafter's
     layer with its cache writes, attention, output, top-K, scores and sort: one piece, whatever the depth, as depths
     differ only in tensors passed in); the selection of the verified nodes with their masks; the accept with the next
-    round's buffers. Only the target's attention and the accepted path's K/V move stay eager. At batch 1 nearly every
-    kernel costs ~2 us on an H200 however little it does, so fewer kernels is what pays; a frontier step is ~35
-    kernels, a third of them the matrix products. Inductor took minutes over a whole tree round on the CPU, which is
-    why the round is cut into pieces.
+    round's buffers. The target's attention and embedding and the accepted path's K/V move stay eager. At batch 1
+    nearly every kernel costs ~2 us on an H200 however little it does, so fewer kernels is what pays; a frontier step
+    is ~39 kernels, a quarter of them matrix products. Inductor took minutes over a whole tree round on the CPU, which
+    is why the round is cut into pieces.
     """
 
     PIECES = ("_extend_top", "_step", "_select", "_accept")
