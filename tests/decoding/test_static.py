@@ -248,8 +248,9 @@ def test_compiled_steps_decode_exactly_like_eager_steps():
 
 def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_layers_and_draft_lengths():
     """Fusion is per layer: every layer, attention span and draft length shares the target's two compiled pieces of
-    its step width (tokens per forward), and so does the drafter's one layer (its inputs; its attention, over its
-    whole cache, with what follows). Whole-step compiles cost one graph of all layers per span and
+    its step width (tokens per forward), and its head one more; the drafter's pieces are one per step width too (the
+    extend, a draft step with its cache write, attending over its whole cache). Whole-step compiles cost one graph of
+    all layers per span and
     draft length: minutes per benchmark job on an H200. Alternating draft lengths prompt by prompt (a sweep) replays
     rounds instead of capturing again."""
     import torch._dynamo
@@ -269,10 +270,10 @@ def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_laye
         chain = fused.drafter_for(drafter).rounds[k]
         assert rounds.setdefault(k, chain) is chain  # kept, not captured again
     widths = {1, 3, 4}  # greedy steps; verifies of k + 1 tokens
-    # The drafter: fc per extend width (k + 1), two pieces per width for its layer (the extend's k + 1 rows, a chain
-    # step's 1), its head.
+    # The target: project, finish and head per width. The drafter: the extend per k + 1, one draft step, its head's
+    # token; each chain length's accept.
     assert fused.drafter_for(drafter).fusion_failure is None
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * len(widths) + 2 + 2 * len(widths) + 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3 * len(widths) + 2 + 1 + 1 + 2
 
 
 def test_every_step_width_of_a_sweep_runs_compiled():
@@ -289,7 +290,7 @@ def test_every_step_width_of_a_sweep_runs_compiled():
         torch._dynamo.utils.counters.clear()
         with torch.inference_mode():
             for width in widths:
-                eagle._fused["_top"](torch.randn(1, width, model.config.hidden_size), 2)
+                eagle._fused["_token"](torch.randn(1, width, model.config.hidden_size))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(widths)
 
 

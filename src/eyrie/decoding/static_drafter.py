@@ -25,13 +25,13 @@ class StaticEagle3:
 
     With the target's compile, the drafter runs in compiled pieces, one graph per step width each: a round's extend
     (fc, the layer, the cache write), a chain's draft step (the layer, the cache write, the head's argmax and d2t
-    mapping), the head alone and its top-K. A piece writes the cache inside (index_copy_ on its input), so a draft
-    step launches no eager kernel. At batch 1 nearly every kernel is tiny and costs ~2 us on an H200 however little it
-    does (a greedy step: 610 kernels, 1.36 ms of kernel time in a 1.7 ms step, benchmarks/round_profile.py), so fewer
-    kernels is what pays.
+    mapping) and the head's token alone; trees take the head's top-K (_top) inside their own pieces. A piece writes
+    the cache inside (index_copy_ on its input), so a draft step launches no eager kernel. At batch 1 nearly every
+    kernel is tiny and costs ~2 us on an H200 however little it does (a greedy step: 610 kernels, 1.36 ms of kernel
+    time in a 1.7 ms step, benchmarks/round_profile.py), so fewer kernels is what pays.
     """
 
-    PIECES = ("_forward", "_extend", "_draft_step", "_token", "_top")
+    PIECES = ("_forward", "_extend", "_draft_step", "_token")
 
     def __init__(self, target, drafter: Eagle3Drafter):  # target: the StaticLlama drafted for
         rope_type = getattr(drafter.rotary.rope, "rope_type", "default")
