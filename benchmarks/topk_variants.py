@@ -18,29 +18,16 @@ import torch
 from eyrie.decoding.topk import ranked_top_k, top_k
 
 
-def chunked(values, k, size, first):
+def sorted_first(values, k, size):
+    """Two stages as eyrie's top_k, the first sorting each chunk of `size` (PyTorch's in-block bitonic sort) in place
+    of its top-K."""
     rows, width = values.shape
     chunks = width // size
-    parts = values.view(rows, chunks, size)
-    if first == "sort":
-        part_values, part_ids = parts.sort(dim=-1, descending=True)
-        part_values, part_ids = part_values[..., :k], part_ids[..., :k]
-    else:
-        part_values, part_ids = parts.topk(k, dim=-1, sorted=False)
+    part_values, part_ids = values.view(rows, chunks, size).sort(dim=-1, descending=True)
+    part_values, part_ids = part_values[..., :k], part_ids[..., :k]
     starts = torch.arange(0, width, size, device=values.device)[None, :, None]
     best_values, best = part_values.reshape(rows, chunks * k).topk(k, dim=-1)
     return best_values, (part_ids + starts).reshape(rows, chunks * k).gather(1, best)
-
-
-def via_chunk_maxima(values, k, size):
-    """The top k lie in the k chunks with the largest maxima: top k of the maxima, then of those chunks' values."""
-    rows, width = values.shape
-    parts = values.view(rows, width // size, size)
-    top_chunks = parts.amax(-1).topk(k, dim=-1).indices  # (rows, k)
-    candidates = parts.gather(1, top_chunks[..., None].expand(rows, k, size)).reshape(rows, k * size)
-    best_values, best = candidates.topk(k, dim=-1)
-    ids = (top_chunks[..., None] * size + torch.arange(size, device=values.device)).reshape(rows, k * size)
-    return best_values, ids.gather(1, best)
 
 
 def time_call(fn, calls: int = 50, repeats: int = 5) -> float:
@@ -76,12 +63,8 @@ def main() -> None:
                 "ranked_top_k, compiled": torch.compile(ranked_top_k, dynamic=False), "ranked_top_k, eager": ranked_top_k}
     for size in (1000, 2000, 4000):
         if args.width % size == 0:
-            variants[f"topk chunks of {size}"] = lambda x, k, size=size: chunked(x, k, size, "topk")
-            variants[f"sort chunks of {size}"] = lambda x, k, size=size: chunked(x, k, size, "sort")
-    for size in (32, 64, 128):
-        if args.width % size == 0:
-            variants[f"chunk maxima of {size}"] = lambda x, k, size=size: via_chunk_maxima(x, k, size)
-            variants[f"... compiled {size}"] = torch.compile(lambda x, k, size=size: via_chunk_maxima(x, k, size), dynamic=False)
+            variants[f"topk chunks of {size}"] = lambda x, k, size=size: top_k(x, k, max_chunk=size)
+            variants[f"sort chunks of {size}"] = lambda x, k, size=size: sorted_first(x, k, size)
     for rows in args.rows:
         values = torch.log_softmax(torch.randn(rows, args.width, device="cuda"), dim=-1)
         expected = values.topk(args.k, dim=-1).values

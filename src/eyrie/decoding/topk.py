@@ -18,18 +18,19 @@ MAX_CHUNK = 2048  # longest chunk: PyTorch's single-block path for any row count
 CHUNKED_FROM = 4096  # rows up to this long already take the single-block path in one call
 
 
-def chunks_for(width: int, k: int) -> int:
+def chunks_for(width: int, k: int, max_chunk: int = MAX_CHUNK) -> int:
     """How many equal chunks a row of `width` is cut into: 1 (one topk call) for short rows, or when no divisor of
-    width gives chunks of k to MAX_CHUNK values."""
+    width gives chunks of k to max_chunk values."""
     if width <= CHUNKED_FROM:
         return 1
-    return next((count for count in range(2, width // k + 1) if width % count == 0 and width // count <= MAX_CHUNK), 1)
+    return next((count for count in range(2, width // k + 1) if width % count == 0 and width // count <= max_chunk), 1)
 
 
-def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest of each row of `values` (rows, width), largest first, as torch.topk."""
+def top_k(values: torch.Tensor, k: int, max_chunk: int = MAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of each row of `values` (rows, width), largest first, as torch.topk.
+    max_chunk: the longest chunk (benchmarks/topk_variants.py times others)."""
     rows, width = values.shape
-    chunks = chunks_for(width, k)
+    chunks = chunks_for(width, k, max_chunk)
     if chunks == 1:
         return values.topk(k, dim=-1)
     size = width // chunks
