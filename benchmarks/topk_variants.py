@@ -4,9 +4,9 @@
 
 A tree round's frontier step takes the top K of K rows of ~32,000 log-probabilities (eyrie.decoding.topk). Prints
 microseconds per call and the ratio to torch.topk for: torch.topk; two stages of topk over chunks (eyrie's
-top_k); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for chunks up to 4,096). Every
+two_stage_top_k, its top_k off CUDA); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for chunks up to 4,096). Every
 variant's values are checked against torch.topk's. eyrie's ranked_top_k (no radix select, no sort: reductions and
-gathers) runs compiled, as the tree's pieces run it, and eagerly.
+gathers; its top_k on CUDA) runs compiled, as the tree's pieces run it, and eagerly.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import argparse
 
 import torch
 
-from eyrie.decoding.topk import ranked_top_k, top_k
+from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
 
 
 def sorted_first(values, k, size):
-    """Two stages as eyrie's top_k, the first sorting each chunk of `size` (PyTorch's in-block bitonic sort) in place
+    """Two stages as eyrie's two_stage_top_k, the first sorting each chunk of `size` (PyTorch's in-block bitonic sort) in place
     of its top-K."""
     rows, width = values.shape
     chunks = width // size
@@ -59,11 +59,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32000)
     parser.add_argument("--k", type=int, default=10)
     args = parser.parse_args()
-    variants = {"torch.topk": lambda x, k: x.topk(k, dim=-1), "eyrie top_k": top_k,
+    variants = {"torch.topk": lambda x, k: x.topk(k, dim=-1), "two stages, chunks of 2,000": two_stage_top_k,
                 "ranked_top_k, compiled": torch.compile(ranked_top_k, dynamic=False), "ranked_top_k, eager": ranked_top_k}
     for size in (1000, 2000, 4000):
         if args.width % size == 0:
-            variants[f"topk chunks of {size}"] = lambda x, k, size=size: top_k(x, k, max_chunk=size)
+            variants[f"topk chunks of {size}"] = lambda x, k, size=size: two_stage_top_k(x, k, max_chunk=size)
             variants[f"sort chunks of {size}"] = lambda x, k, size=size: sorted_first(x, k, size)
     for rows in args.rows:
         values = torch.log_softmax(torch.randn(rows, args.width, device="cuda"), dim=-1)

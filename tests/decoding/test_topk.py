@@ -1,14 +1,15 @@
-"""The two-stage top-K the tree rounds take over the draft vocabulary: torch.topk's values and indices."""
+"""The top-K the tree rounds take over the draft vocabulary (ranked on CUDA, two stages elsewhere): torch.topk's values
+and indices."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eyrie.decoding.topk import chunk_size_for_ranking, chunks_for, ranked_top_k, top_k
+from eyrie.decoding.topk import chunk_size_for_ranking, chunks_for, ranked_top_k, top_k, two_stage_top_k
 
 
-@pytest.mark.parametrize("way", [top_k, ranked_top_k])
+@pytest.mark.parametrize("way", [top_k, two_stage_top_k, ranked_top_k])
 @pytest.mark.parametrize("width", [32000, 16000, 8192, 4096, 32003])
 @pytest.mark.parametrize("rows, k", [(1, 10), (10, 10), (8, 1), (6, 16)])
 def test_top_k_is_torch_topk(rows, k, width, way):
@@ -28,7 +29,7 @@ def test_long_rows_are_cut_into_single_block_chunks_and_short_or_prime_ones_are_
 def test_ties_give_torch_topks_values_and_indices_that_hold_them():
     values = torch.zeros(3, 32000)
     values[:, 5], values[:, 31999], values[1, 7] = 2.0, 1.0, 1.0  # a tie for second place in row 1
-    got_values, got_ids = top_k(values, 4)
+    got_values, got_ids = two_stage_top_k(values, 4)
     assert torch.equal(got_values, values.topk(4, dim=-1).values)
     assert torch.equal(values.gather(1, got_ids), got_values)
     assert got_ids[:, 0].tolist() == [5, 5, 5] and set(got_ids[1, 1:3].tolist()) == {7, 31999}
