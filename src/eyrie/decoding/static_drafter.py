@@ -8,6 +8,7 @@ import functools
 import time
 
 import torch
+import torch.nn.functional as F
 
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
@@ -20,8 +21,9 @@ from eyrie.target.aux_layers import capture_indices
 class StaticEagle3:
     """An Eagle3Drafter on its own preallocated cache, with the target: one speculative round per replay.
 
-    Calls the drafter's own fc, layer_inputs, project, attend, layer_output, head and d2t mapping,
-    exactly as Eagle3Drafter.decode does; only the cache is a fixed buffer written by position.
+    Calls the drafter's own fc, layer_inputs, rotary_heads, attend, layer_output, head and d2t mapping, as
+    Eagle3Drafter.decode does; only the cache is a fixed buffer written by position, and the layer's q, k and v
+    products are one product, as are gate and up (MergedProducts), as SGLang and vLLM serve them.
 
     With the target's compile, the drafter runs in compiled pieces, one graph per step width each: a round's extend
     (fc, the layer, the cache write), a chain's draft step (the layer, the cache write, the head's argmax and d2t
@@ -40,6 +42,7 @@ class StaticEagle3:
         self.target, self.drafter = target, drafter
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(target.layers)))
+        self.products = MergedProducts(drafter)
         self.rounds: dict[int, ChainRounds] = {}  # by draft length
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
         self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
@@ -87,11 +90,11 @@ class StaticEagle3:
         """
         rotary = cos.index_select(0, positions)[None, None], sin.index_select(0, positions)[None, None]
         x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions[None], rotary)
-        q, k, v = self.drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, T, hd)
+        q, k, v = self.products.project(x, cos, sin)  # (1, h, T, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
         mask = slots[None, None, None, :] <= positions[None, None, :, None]  # (1, 1, T, slots)
-        return self.drafter.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
+        return self.products.layer_output(hidden, self.drafter.midlayer.self_attn.attend(q, [(keys, values, mask)]))
 
     def _extend(self, aux, ids, start, last_row, offsets, *cache):
         """A round's extend: the target's aux states (1, T, 3H) of positions start + offsets, each with the token after
@@ -177,6 +180,37 @@ class StaticEagle3:
             tokens += emitted
             lengths.append(len(emitted))
         return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_position)
+
+
+class MergedProducts:
+    """The drafter layer's q, k and v weights as one matrix, and gate and up as another: one matrix product each where
+    there were three and two. At batch 1 each product is a kernel of a few microseconds whatever its width, and a tree
+    round runs the layer S + 1 times (benchmarks/round_profile.py). SGLang's and vLLM's Llama layers merge the same
+    weights. The values are the separate products' (each output column is the same dot product); the kernels may
+    sum in another order, so they can differ in the last bit."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        attention, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
+        self.drafter, self.attention, self.down_proj = drafter, attention, mlp.down_proj
+        with torch.no_grad():  # inference only: copies of the weights, made once
+            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            self.qkv = torch.cat([p.weight for p in projections]).detach()
+            self.qkv_widths = [p.weight.shape[0] for p in projections]
+            self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+
+    def project(self, x, cos, sin):
+        """DraftAttention.project: q (B, h, T, hd); k, v with kv heads repeated."""
+        q, k, v = F.linear(x, self.qkv).split(self.qkv_widths, dim=-1)
+        return self.attention.rotary_heads(q, k, v, cos, sin)
+
+    def mlp(self, x):
+        """DraftMLP.forward."""
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def layer_output(self, hidden, attended):
+        """Eagle3Drafter.layer_output with the merged MLP."""
+        return self.drafter.layer_output(hidden, attended, mlp=self.mlp)
 
 
 class ChainRounds:

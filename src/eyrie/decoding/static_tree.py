@@ -113,12 +113,12 @@ class StaticTree:
         positions = last + depth
         rotary = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
         x, cos, sin = drafter.layer_inputs(hidden, tokens[None], positions[None], rotary)
-        q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)  # (1, h, K, hd)
+        q, k, v = self.drafter.products.project(x, cos, sin)  # (1, h, K, hd)
         tree_keys.index_copy_(2, own_slot_ids, k)
         tree_values.index_copy_(2, own_slot_ids, v)
         seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])
         blocks = [(prefix_keys, prefix_values, seen), (tree_keys, tree_values, (ancestry | own)[None, None])]
-        out = drafter.layer_output(hidden, drafter.midlayer.self_attn.attend(q, blocks))
+        out = self.drafter.products.layer_output(hidden, drafter.midlayer.self_attn.attend(q, blocks))
         top, child_ids = self.drafter._top(out, K)  # (K, K)
         cumulative = (scores[:, None] + top).flatten()
         child_tokens = drafter.draft_ids_to_target(child_ids).flatten()

@@ -352,10 +352,11 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rotary(x, positions) if rotary is None else rotary
         return x, cos.to(x.dtype), sin.to(x.dtype)
 
-    def layer_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residuals and MLP after attention: the state fed to the next step (carried)."""
+    def layer_output(self, hidden: torch.Tensor, attended: torch.Tensor, mlp=None) -> torch.Tensor:
+        """Residuals and MLP after attention: the state fed to the next step (carried). mlp: a callable computing
+        midlayer.mlp's values some other way (eyrie.decoding.static_drafter merges its gate and up products)."""
         residual = hidden + attended
-        return self.carried(residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual)))
+        return self.carried(residual + (mlp or self.midlayer.mlp)(self.midlayer.post_attention_layernorm(residual)))
 
     def carried(self, out: torch.Tensor) -> torch.Tensor:
         """What the layer's output hands on, to the next step and to head: the pre-norm output, or norm(out) with norm_output."""
