@@ -138,8 +138,14 @@ def test_each_speedup_has_its_interval_over_prompts_and_the_best_names_who_it_do
     slow = setting_rows([0.8] * 8, 5)  # 1.25x greedy on every prompt
     summary = {"greedy_tokens_per_s": 80 / sum(greedy), "spec_tokens_per_s": 160 / sum(greedy), "speedup": 2.0, "lossless": True,
                "mean_acceptance_length": 2.0}
-    block = sweep_block([TreeShape(3, 1, 4), TreeShape(5, 4, 8)], [rival, slow], summary, 4, main_rows=main_rows)
+    ngram_rows = [{"id": pid, "new_tokens": 10, "seconds": g * 0.625} for pid, g in zip(ids, greedy)]  # 1.6x greedy on every prompt
+    block = sweep_block([TreeShape(3, 1, 4), TreeShape(5, 4, 8)], [rival, slow], summary, 4, main_rows=main_rows, ngram_rows=ngram_rows,
+                        ngram={"tokens_per_s": 80 / (0.625 * sum(greedy))})
     rival_figures, slow_figures = block["settings"]
+    assert block["main"]["speedup_over_ngram_interval"] == [pytest.approx(1.25), pytest.approx(1.25)]  # 2x against 1.6x, every prompt
+    assert slow_figures["speedup_over_ngram_interval"] == [pytest.approx(0.78125), pytest.approx(0.78125)]
+    low, high = rival_figures["speedup_over_ngram_interval"]
+    assert low < rival_figures["speedup_over_ngram"] < high and high - low > 0.05  # trades places prompt by prompt: a real width
     assert block["main"]["speedup_interval"] == [pytest.approx(2.0), pytest.approx(2.0)]  # the same 2x on every prompt
     low, high = slow_figures["speedup_interval"]
     assert low == pytest.approx(1.25) and high == pytest.approx(1.25)
@@ -147,6 +153,7 @@ def test_each_speedup_has_its_interval_over_prompts_and_the_best_names_who_it_do
     assert low < rival_figures["speedup"] < high and 1.7 < low and high < 2.3
     best = block["best"]
     assert best["speedup_interval"] is not None and best["label"] in ("chain 3", "chain 4 (bench.draft_tokens)")
+    assert best["speedup_over_ngram_interval"] is not None
     other = "chain 4 (bench.draft_tokens)" if best["label"] == "chain 3" else "chain 3"
     assert best["within_noise"] == [other]  # the rival and the main chain cannot be told apart; the slow tree can
     assert paired_interval({"a": (1, 1.0)}, {"a": (1, 1.0)}) is None  # one prompt: no interval

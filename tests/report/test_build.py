@@ -327,7 +327,8 @@ BENCH["sharegpt"]["sweep"] = {  # the drafting settings measured beside the main
          "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}]},
         {"label": "tree 5-4-8", "steps": 5, "topk": 4, "draft_tokens": 8, "mean_acceptance_length": 2.91, "acceptance_rate_per_depth": [0.8, 0.55, 0.3, 0.2, 0.06],
          "rounds": 220, "new_tokens": 640, "tokens_per_s": 47.9, "speedup": 47.9 / 52.4, "speedup_over_ngram": 47.9 / 40.1, "lossless": True,
-         "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}], "speedup_interval": [0.85, 0.97]},
+         "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}], "speedup_interval": [0.85, 0.97],
+         "speedup_over_ngram_interval": [1.08, 1.31]},
     ],
     "main": {"label": "chain 4 (bench.draft_tokens)", "steps": 4, "topk": 1, "draft_tokens": 5, "mean_acceptance_length": 2.37, "tokens_per_s": 43.5,
              "speedup": 43.5 / 52.4, "speedup_over_ngram": 43.5 / 40.1, "lossless": True},
@@ -571,6 +572,7 @@ def test_full_report_shows_the_sweep_and_the_sglang_command_of_its_recommendatio
     assert "2.91" in tree and "1: 80.0%, 2: 55.0%, 3: 30.0%, 4: 20.0%, 5: 6.0%" in tree and "47.9" in tree
     assert "0.91× <strong class=\"slow\">(slower)</strong>" in tree and "1.19×" in tree and "yes: identical on 2 of 2 prompts" in tree
     assert '<span class="muted">(0.85–0.97)</span>' in tree and "muted" not in rows[1].split("yes")[0]  # the interval where recorded
+    assert '1.19× <span class="muted">(1.08–1.31)</span>' in tree  # and the n-gram ratio's
     assert "On these prompts it is not measurably faster than chain 4 (bench.draft_tokens)" in sharegpt
     assert "2.37" in rows[0] and "1: 71.0%" in rows[0].replace("&nbsp;", " ")  # the main chain's own figures
     assert "losslessness checked in float32" in sharegpt

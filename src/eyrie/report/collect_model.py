@@ -401,16 +401,20 @@ def _sweep_figures(data: dict, bench: dict, config: dict, drafter_dir: str | Non
     return figures
 
 
+def _interval(data) -> list[float] | None:
+    """A recorded [low, high], or None: absent (runs before it was recorded) or malformed."""
+    valid = isinstance(data, list) and len(data) == 2 and all(number(v) is not None for v in data)
+    return [number(v) for v in data] if valid else None
+
+
 def _sweep_setting(data: dict, main: bool, rates: list, lossless, different: list, checked: int | None, best: dict | None) -> dict[str, Any]:
     """One row of the sweep table: a setting (or the main chain) as measured, and whether it is the recommended one."""
     setting = {key: data.get(key) for key in ("steps", "topk", "draft_tokens")}
     speedup, over_ngram = number(data.get("speedup")), number(data.get("speedup_over_ngram"))
     valid = all(isinstance(v, int) for v in setting.values())
-    interval = data.get("speedup_interval")  # 95% over prompts, paired with greedy; absent before it was recorded
-    valid_interval = isinstance(interval, list) and len(interval) == 2 and all(number(v) is not None for v in interval)
-    interval = [number(v) for v in interval] if valid_interval else None
     return {
-        "speedup_interval": interval,
+        "speedup_interval": _interval(data.get("speedup_interval")),  # 95% over prompts, paired with greedy
+        "speedup_over_ngram_interval": _interval(data.get("speedup_over_ngram_interval")),  # the same, with the n-gram
         "label": str(data.get("label") or "?"),
         **setting,
         "main": main,
