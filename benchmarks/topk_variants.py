@@ -4,14 +4,16 @@
 
 A tree round's frontier step takes the top K of K rows of ~32,000 log-probabilities (eyrie.decoding.topk). Prints
 microseconds per call and the ratio to torch.topk for: torch.topk; two stages of topk over chunks (eyrie's
-two_stage_top_k, its top_k off CUDA); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for chunks up to 4,096). Every
-variant's values are checked against torch.topk's. eyrie's ranked_top_k (no radix select, no sort: reductions and
-gathers; its top_k on CUDA) runs compiled, as the tree's pieces run it, and eagerly.
+two_stage_top_k, its top_k off CUDA); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for
+chunks up to 4,096). eyrie's ranked_top_k (no radix select, no sort: reductions and gathers; its top_k on CUDA) runs
+compiled, as the tree's pieces run it, at its own chunk length and at others, and eagerly. Every variant's values are
+checked against torch.topk's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -65,6 +67,9 @@ def main() -> None:
         if args.width % size == 0:
             variants[f"topk chunks of {size}"] = lambda x, k, size=size: two_stage_top_k(x, k, max_chunk=size)
             variants[f"sort chunks of {size}"] = lambda x, k, size=size: sorted_first(x, k, size)
+    for size in (32, 64, 100, 160, 250):  # the ranked way's chunk length (its default at 32,000 and k 10: 50)
+        if args.width % size == 0:
+            variants[f"ranked, chunks of {size}"] = torch.compile(functools.partial(ranked_top_k, chunk=size), dynamic=False)
     for rows in args.rows:
         values = torch.log_softmax(torch.randn(rows, args.width, device="cuda"), dim=-1)
         expected = values.topk(args.k, dim=-1).values
@@ -75,7 +80,7 @@ def main() -> None:
             assert torch.equal(got_values, expected) and torch.equal(values.gather(1, got_ids), expected), name
             us = time_call(lambda fn=fn: fn(values, args.k))
             base = base or us
-            print(f"  {name:24} {us:8.2f}  x{us / base:.2f}")
+            print(f"  {name:30} {us:8.2f}  x{us / base:.2f}")
 
 
 if __name__ == "__main__":

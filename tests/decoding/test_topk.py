@@ -43,6 +43,13 @@ def test_ranked_top_k_breaks_ties_by_index_and_compiles_to_the_same_result():
     assert got_ids[:, :3].tolist() == [[7, 20000, 31000]] * 3
     assert got_ids[:, 3].tolist() == [0, 0, 0]  # then zeros, the smallest index first
     assert chunk_size_for_ranking(32000, 10) == 50 and chunk_size_for_ranking(32003, 10) is None
+    masked = torch.full((1, 32000), float("-inf"))
+    masked[0, 900] = 0.5  # -inf (a masked logit) ranks after every finite value and is selected as itself
+    got_values, got_ids = ranked_top_k(masked, 3)
+    assert got_values.tolist() == [[0.5, float("-inf"), float("-inf")]] and got_ids.tolist() == [[900, 0, 1]]
+    default = ranked_top_k(values, 4)
+    for chunk in (32, 100, 160):  # any divisor of the width gives the same result
+        assert all(torch.equal(a, b) for a, b in zip(ranked_top_k(values, 4, chunk), default))
     rows = torch.log_softmax(torch.randn(10, 8192, generator=torch.Generator().manual_seed(0)), dim=-1)
     compiled = torch.compile(ranked_top_k, dynamic=False)(rows, 10)
     expected = rows.topk(10, dim=-1)

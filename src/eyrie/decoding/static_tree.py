@@ -26,7 +26,7 @@ import torch
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
 from eyrie.decoding.static import StaticLlama
-from eyrie.decoding.static_common import compiled_pieces, needed_capacity, span_for, spans_up_to
+from eyrie.decoding.static_common import compiled_pieces, needed_capacity, round_up, span_for, spans_up_to
 from eyrie.decoding.static_drafter import StaticEagle3
 from eyrie.decoding.tree import TreeShape
 from eyrie.drafter.model import Eagle3Drafter
@@ -55,12 +55,15 @@ class StaticTree:
         S, K, N = shape.steps, shape.topk, shape.draft_tokens
         device, target = drafter.device, drafter.target
         attention = drafter.drafter.midlayer.self_attn
-        nodes, tree_slots = shape.nodes, K * (S - 1)
+        # The frontier's K/V slots: K per depth after the first, padded to a multiple of 8 (never visible). The softmax
+        # over the prefix and these slots is sliced per block, and a row stride that is not a multiple of 8 bf16 values
+        # sent the drafter's probs @ values to cuBLAS's unaligned kernels (cutlass "align2", ~5 us each on an H200).
+        nodes, tree_slots = shape.nodes, round_up(max(K * (S - 1), 1), 8)
         self.ext_aux = torch.zeros(1, S + 1, 3 * drafter.drafter.shape.target_hidden_size, device=device, dtype=target.dtype)
         self.ext_ids = torch.zeros(1, S + 1, dtype=torch.long, device=device)
         self.ext_start = torch.zeros(1, dtype=torch.long, device=device)
         self.ext_last = torch.zeros(1, dtype=torch.long, device=device)
-        self.tree_keys = torch.zeros(1, attention.heads, max(tree_slots, 1), attention.head_dim, device=device, dtype=drafter.dtype)
+        self.tree_keys = torch.zeros(1, attention.heads, tree_slots, attention.head_dim, device=device, dtype=drafter.dtype)
         self.tree_values = torch.zeros_like(self.tree_keys)
         # Constant layout of the drafted nodes: step 1's K, then each later step's K^2 children, frontier-major.
         depths = [1] * K + [d for d in range(2, S + 1) for _ in range(K * K)]
@@ -71,9 +74,11 @@ class StaticTree:
         self.root = self.rows == 0
         # Per frontier step (depth 1..S-1), tensors of one shape, so the step's piece compiles once for every depth:
         # the position offset, the tree slots the frontier writes (visible to itself), the index of its first child.
-        slot_depth = torch.arange(max(tree_slots, 1), device=device) // K + 1  # the depth whose frontier owns a tree slot
+        slot = torch.arange(tree_slots, device=device)
+        slot_depth = slot // K + 1  # the depth whose frontier owns a tree slot (S and beyond: padding, owned by none)
+        node_slot = slot[None, :] % K == torch.arange(K, device=device)[:, None]  # (K, tree slots): each node's slot at every depth
         self.frontier_depth = [torch.full((K,), depth, device=device) for depth in range(1, S)]
-        self.own_slots = [self.eye[:K, :K].repeat(1, S - 1)[:, : max(tree_slots, 1)] & (slot_depth == depth)[None] for depth in range(1, S)]
+        self.own_slots = [node_slot & (slot_depth == depth)[None] for depth in range(1, S)]
         self.child_offset = [torch.full((1,), K + (depth - 1) * K * K, device=device) for depth in range(1, S)]
         self.frontier_slots = [torch.arange((depth - 1) * K, depth * K, device=device) for depth in range(1, S)]
         # Step 1's frontier: the root's K children, whose parent is `nodes` (row_of[nodes] is row 0, the current

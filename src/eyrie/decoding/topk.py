@@ -53,17 +53,18 @@ def two_stage_top_k(values: torch.Tensor, k: int, max_chunk: int = MAX_CHUNK) ->
     return best_values, candidates.gather(1, best)
 
 
-def ranked_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_top_k(values: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k without any radix select or sort: only reductions and gathers, which inductor fuses into a few kernels.
 
     The k largest values of a row lie in the k chunks with the largest maxima (each of those k maxima is at least
     the k-th largest chunk maximum, so the row's k-th largest value is too, and no other chunk holds a larger one).
     So: chunk maxima, each ranked by counting the maxima before it; the k best chunks gathered; their values ranked
-    the same way. Ties go to the smaller index, so the result is deterministic. Falls back to the two stages where the
-    row has no suitable chunk size.
+    the same way. Ties go to the smaller index, so the result is deterministic. chunk: the chunks' length (a divisor of
+    the width; benchmarks/topk_variants.py times several), else chunk_size_for_ranking's. Falls back to the two stages
+    where the row has no suitable chunk size.
     """
     rows, width = values.shape
-    chunk = chunk_size_for_ranking(width, k)
+    chunk = chunk or chunk_size_for_ranking(width, k)
     if chunk is None:
         return two_stage_top_k(values, k)
     chunks = width // chunk
@@ -92,6 +93,8 @@ def _ranks(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _by_rank(ranks: torch.Tensor, items: torch.Tensor, k: int) -> torch.Tensor:
-    """The items of ranks 0..k-1 of each row, in rank order (rows, k); the rest go to a spare column, dropped."""
-    placed = torch.zeros(items.shape[0], k + 1, dtype=items.dtype, device=items.device)
-    return placed.scatter_(1, ranks.clamp(max=k), items)[:, :k]
+    """The items of ranks 0..k-1 of each row, in rank order (rows, k): for each rank, the one item holding it (ranks
+    are distinct), summed out of zeros. A reduction, which inductor compiles into one kernel with its neighbours,
+    where a scatter into zeros was two kernels of its own (~4.6 us each on an H200, benchmarks/round_profile.py)."""
+    hit = ranks[:, None, :] == torch.arange(k, device=ranks.device)[None, :, None]  # (rows, k, n)
+    return torch.where(hit, items[:, None, :], torch.zeros((), dtype=items.dtype, device=items.device)).sum(-1)
