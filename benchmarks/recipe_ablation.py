@@ -15,7 +15,8 @@ docs/PERFORMANCE.md.
         --setting norms=drafter.norm_before_fc=true,drafter.norm_output=true --set train.epochs=6 --out ablation.json
 
 A setting is NAME=KEY=VALUE[,KEY=VALUE...] (KEY is section.key; VALUE is YAML); --set changes every setting
-(the baseline included). Settings that change the draft vocabulary need another results/vocab and are not here.
+(the baseline included). A setting of drafter.draft_vocab_size trains on the vocabulary the pipeline would build at
+that size, chosen from the counts results/vocab stores (eyrie.data.build_vocab.resize_draft_vocab).
 The drafters go to a temporary directory (--keep DIR keeps them).
 
 Settings are judged by the walked chain of --k drafts over the held-out samples' first replies: it replays the
@@ -53,6 +54,7 @@ DEFAULT_SETTINGS = [
     "norm-before-fc=drafter.norm_before_fc=true",
     "norm-output=drafter.norm_output=true",
     "both-norms=drafter.norm_before_fc=true,drafter.norm_output=true",
+    "vocab-16k=drafter.draft_vocab_size=16000",
 ]
 
 
@@ -110,9 +112,15 @@ def train_setting(name: str, changes: dict, inputs: dict, directory: Path, progr
     for (section, key), value in changes.items():
         (drafter_cfg if section == "drafter" else train_cfg)[key] = value
     out = directory / name
+    vocab_path = inputs["vocab_path"]
+    if ("drafter", "draft_vocab_size") in changes:  # the vocabulary the pipeline would build at that size, from the run's counts
+        from eyrie.data.build_vocab import resize_draft_vocab
+
+        vocab_path = str(directory / f"{name}.vocab.safetensors")
+        resize_draft_vocab(inputs["vocab_path"], int(changes[("drafter", "draft_vocab_size")]), vocab_path)
     t0 = time.perf_counter()
     summary = train_drafter(
-        hidden_paths=inputs["hidden_paths"], vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"],
+        hidden_paths=inputs["hidden_paths"], vocab_path=vocab_path, target_dir=inputs["target_dir"],
         out_dir=str(out), state_dir=str(directory / f"{name}.state"), drafter_cfg=drafter_cfg, train_cfg=train_cfg,
         template_sha256=inputs["template_sha256"], target_fingerprint=inputs["target_fingerprint"], progress=progress,
     )

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from eyrie.core.errors import ContractError
-from eyrie.data.build_vocab import VocabClippedWarning, build_draft_vocab
+from eyrie.data.build_vocab import VocabClippedWarning, build_draft_vocab, resize_draft_vocab
 from eyrie.data.tokens import TOKENS_SCHEMA
 from eyrie.data.vocab import VocabError, VocabSizeError, check_vocab, load_draft_vocab
 
@@ -93,6 +93,21 @@ def test_ties_break_to_the_lower_id(shards, tmp_path):
     d2t, t2d, _ = load_draft_vocab(tmp_path / "v.safetensors")
     assert (torch.arange(2) + d2t).tolist() == [3, 7]
     assert manifest["coverage"] == pytest.approx(7 / 14)
+
+
+def test_a_resized_vocab_is_the_one_built_at_that_size_from_the_same_shards(shards, tmp_path):
+    """The recipe ablation compares draft vocabulary sizes on one run's cache: the smaller vocabulary comes from the
+    built one's stored counts and must be what building at that size writes."""
+    built = tmp_path / "built.safetensors"
+    build_draft_vocab(shards, V, 6, str(built))
+    for size in (4, 2):
+        direct, resized = tmp_path / f"direct{size}.safetensors", tmp_path / f"resized{size}.safetensors"
+        expected = build_draft_vocab(shards, V, size, str(direct))
+        manifest = resize_draft_vocab(str(built), size, str(resized))
+        assert manifest == {**expected, "resized_from": str(built)}
+        assert all(torch.equal(a, b) for a, b in zip(load_draft_vocab(resized)[:2], load_draft_vocab(direct)[:2]))
+    with pytest.raises(VocabSizeError, match="exceeds the target vocabulary"):
+        resize_draft_vocab(str(built), V + 1, str(tmp_path / "big.safetensors"))
 
 
 def test_clipped_when_fewer_tokens_were_seen(shards, tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 
 from eyrie.core.errors import ContractError
 from eyrie.data.tokens import read_tokens, shard_template
-from eyrie.data.vocab import VocabError, VocabSizeError, write_draft_vocab
+from eyrie.data.vocab import WRITTEN_BY, VocabError, VocabSizeError, load_draft_vocab, write_draft_vocab
 
 
 class VocabClippedWarning(UserWarning):
@@ -49,14 +49,7 @@ def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_voc
     """Count assistant tokens, keep the most frequent, write d2t/t2d/counts/draft_ids; returns the manifest."""
     if not token_shards:
         raise VocabError("no token shards given: the draft vocabulary needs at least one")
-    if draft_vocab_size < 1:
-        raise VocabSizeError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
-    if draft_vocab_size > target_vocab_size:
-        raise VocabSizeError(
-            f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary ({target_vocab_size}); "
-            f"set it to at most {target_vocab_size}"
-        )
-
+    _check_size(draft_vocab_size, target_vocab_size)
     templates = {str(p): shard_template(str(p)) for p in token_shards}
     distinct = sorted(set(templates.values()), key=str)
     if len(distinct) != 1 or distinct[0] is None:
@@ -66,13 +59,41 @@ def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_voc
             f"the token shards do not share one chat template fingerprint ({detail}); "
             "re-tokenize them all with the same target"
         )
-    template_sha256 = distinct[0]
-
     counts = count_assistant_tokens([str(p) for p in token_shards], target_vocab_size)
-    total = int(counts.sum())
-    seen = int(np.count_nonzero(counts))
-    if total == 0:
+    if int(counts.sum()) == 0:
         raise VocabError(f"no assistant tokens in {len(token_shards)} shard(s): nothing to build a draft vocabulary from")
+    return _write_from_counts(counts, draft_vocab_size, out_path, template_sha256=distinct[0], shards=len(token_shards))
+
+
+def resize_draft_vocab(vocab_path: str, draft_vocab_size: int, out_path: str) -> dict:
+    """The draft vocabulary build_draft_vocab would have written at draft_vocab_size from the same token shards, made
+    from the counts a built one stores (so a recipe comparison of vocabulary sizes needs no re-tokenizing); returns
+    its manifest, which records the vocabulary it was resized from."""
+    from eyrie.core.artifacts import load_safetensors
+
+    _, _, manifest = load_draft_vocab(vocab_path)  # checked against its digest
+    counts = load_safetensors(vocab_path, written_by=WRITTEN_BY).get("counts")
+    if counts is None:
+        raise VocabError(f"{vocab_path}: stores no 'counts' to choose another size from; rebuild it with build_draft_vocab")
+    _check_size(draft_vocab_size, int(counts.numel()))
+    return _write_from_counts(counts.numpy().astype(np.int64), draft_vocab_size, out_path, template_sha256=manifest["template_sha256"],
+                              shards=manifest.get("shards"), resized_from=str(vocab_path))
+
+
+def _check_size(draft_vocab_size: int, target_vocab_size: int) -> None:
+    if draft_vocab_size < 1:
+        raise VocabSizeError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
+    if draft_vocab_size > target_vocab_size:
+        raise VocabSizeError(
+            f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary ({target_vocab_size}); "
+            f"set it to at most {target_vocab_size}"
+        )
+
+
+def _write_from_counts(counts: np.ndarray, draft_vocab_size: int, out_path: str, **provenance) -> dict:
+    """Keep the draft_vocab_size most frequent ids of `counts` (all seen ones, with a warning, when fewer were seen),
+    write them to out_path and return the manifest (provenance: template_sha256, shards, ...)."""
+    total, seen = int(counts.sum()), int(np.count_nonzero(counts))
     effective = draft_vocab_size
     clipped = seen < draft_vocab_size
     if clipped:
@@ -81,20 +102,18 @@ def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_voc
             f"only {seen} distinct assistant tokens were seen, fewer than draft_vocab_size {draft_vocab_size}; "
             f"the draft vocabulary is clipped to {seen} (add data or lower draft_vocab_size)",
             VocabClippedWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-
     kept = select_draft_ids(counts, effective)
     manifest = {
         "draft_vocab_size": int(effective),
         "requested_draft_vocab_size": int(draft_vocab_size),
-        "target_vocab_size": int(target_vocab_size),
+        "target_vocab_size": int(len(counts)),
         "assistant_tokens": total,
         "distinct_assistant_tokens": seen,
         "coverage": float(counts[kept].sum() / total),
-        "template_sha256": template_sha256,
         "clipped": bool(clipped),
-        "shards": len(token_shards),
+        **provenance,
     }
     write_draft_vocab(out_path, kept, counts, manifest)
     return manifest
