@@ -21,8 +21,8 @@ from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
 
 
 def sorted_first(values, k, size):
-    """Two stages as eyrie's two_stage_top_k, the first sorting each chunk of `size` (PyTorch's in-block bitonic sort) in place
-    of its top-K."""
+    """Two stages as eyrie's two_stage_top_k, the first sorting each chunk of `size` (PyTorch's in-block bitonic sort)
+    in place of its top-K."""
     rows, width = values.shape
     chunks = width // size
     part_values, part_ids = values.view(rows, chunks, size).sort(dim=-1, descending=True)

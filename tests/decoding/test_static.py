@@ -145,7 +145,7 @@ def matrix_products(function, *args):
 
 
 def test_merged_products_compute_the_drafter_layers_values_in_fewer_products():
-    """q, k, v in one product and gate, up in another: the drafter's own values (float32), 2 + 2 products in place of 3 + 3."""
+    """q, k, v in one product and gate, up in another: the drafter's own values (float32) in 1 + 2 products, not 3 + 3."""
     drafter = tiny_drafter(tiny_model())
     merged = MergedProducts(drafter)
     hidden, x = torch.randn(1, 5, 64), torch.randn(1, 5, 128)
