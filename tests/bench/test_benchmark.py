@@ -180,6 +180,36 @@ def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):
     assert result["float32_check"] is None  # timed in float32: the timed run itself is the check
 
 
+def test_the_ngram_baseline_is_its_fastest_draft_length(tmp_path, model_dir, drafter):
+    """bench.ngram_draft_tokens: prompt lookup decodes every prompt at each length, and the fastest is the baseline the
+    drafter's speedup_over_ngram is taken against; every length's figures stay in the block."""
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS, benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "ngram_draft_tokens": [2, 5]},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    ngram = result["ngram"]
+    lengths = {entry["draft_tokens"]: entry for entry in ngram["by_draft_tokens"]}
+    assert set(lengths) == {2, 5} and all(entry["lossless"] for entry in lengths.values())
+    assert ngram["tokens_per_s"] == max(entry["tokens_per_s"] for entry in lengths.values())
+    assert lengths[ngram["draft_tokens"]]["tokens_per_s"] == ngram["tokens_per_s"]
+    assert len(ngram["acceptance_rate_per_position"]) == ngram["draft_tokens"]  # the chosen length's own rows
+    assert result["speedup_over_ngram"] == pytest.approx(result["spec_tokens_per_s"] / ngram["tokens_per_s"])
+
+
+def test_fastest_ngram_takes_the_quicker_length_and_the_first_on_a_tie():
+    from eyrie.bench.ngram_baseline import fastest_ngram
+
+    def rows(seconds, k):
+        return [{"id": "a", "new_tokens": 10, "seconds": seconds, "identical": True, "acceptance_lengths": [2] * 5,
+                 "accepted_per_position": [5] + [0] * (k - 1), "rounds": 5}]
+
+    block, chosen = fastest_ngram({4: rows(2.0, 4), 8: rows(1.0, 8)}, greedy_tokens_per_s=4.0)
+    assert block["draft_tokens"] == 8 and chosen == rows(1.0, 8) and block["speedup"] == pytest.approx(2.5)
+    assert [(e["draft_tokens"], e["tokens_per_s"]) for e in block["by_draft_tokens"]] == [(4, 5.0), (8, 10.0)]
+    assert fastest_ngram({4: rows(1.0, 4), 8: rows(1.0, 8)}, 4.0)[0]["draft_tokens"] == 4
+
+
 # --------------------------------------------------------------------------- the sweep
 
 

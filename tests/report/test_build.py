@@ -314,6 +314,8 @@ BENCH = {
             "method": "prompt lookup", "max_ngram": 3, "min_ngram": 1, "draft_tokens": 4, "mean_acceptance_length": 1.42,
             "acceptance_rate_per_position": [0.305, 0.087, 0.021, 0.007], "rounds": 450, "tokens_per_s": 40.1, "speedup": 40.1 / 52.4,
             "lossless": True, "new_tokens": 640,
+            "by_draft_tokens": [{"draft_tokens": 4, "mean_acceptance_length": 1.42, "tokens_per_s": 40.1, "speedup": 40.1 / 52.4, "lossless": True},
+                                {"draft_tokens": 8, "mean_acceptance_length": 1.61, "tokens_per_s": 37.2, "speedup": 37.2 / 52.4, "lossless": True}],
             "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.57, "tokens_per_s": 41.3},
                            {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.29, "tokens_per_s": 38.9}],
         },
@@ -515,7 +517,8 @@ def test_full_report_shows_the_ngram_baseline_beside_the_drafter(full_html):
     assert "the training-free n-gram (prompt lookup) baseline with the same k" in glance
     section = full_html.split('<section id="bench">')[1]
     sharegpt = section.split('id="bench-1"')[1].split('id="bench-2"')[0]
-    assert "<td>EAGLE-3 drafter</td>" in sharegpt and "<td>n-gram (prompt lookup, n = 3..1)</td>" in sharegpt
+    assert "<td>EAGLE-3 drafter</td>" in sharegpt
+    assert "<td>n-gram (prompt lookup, n = 3..1, k = 4: the fastest of k = 4 (40.1 tokens/s), k = 8 (37.2 tokens/s))</td>" in sharegpt
     assert "1: 30.5%" in sharegpt.replace("&nbsp;", " ")  # the n-gram's acceptance at position 1
     assert "0.77×" in sharegpt  # the n-gram's speedup over greedy
     assert "Drafter over the n-gram baseline: <strong>1.08×</strong> in tokens/s (43.5 against 40.1); 2.37 against 1.42 tokens per target forward" in sharegpt

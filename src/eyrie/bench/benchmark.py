@@ -29,7 +29,7 @@ from pathlib import Path
 from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
-from eyrie.bench.ngram_baseline import ngram_block, ngram_row
+from eyrie.bench.ngram_baseline import fastest_ngram, ngram_row
 from eyrie.bench.parity import measured_interval, parity, parity_prompts, serve_parity_samples
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
@@ -285,9 +285,10 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
 
 def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None,
             sweep: list = (), greedy_paths: dict | None = None, sweep_prompts: int | None = None,
-            phases: Phases | None = None) -> tuple[list[dict], list[dict], list[list[dict]]]:
-    """Plain greedy, then speculative, then (given an NgramDecoder) n-gram, then each sweep setting (TreeShapes), on each
-    (id, prompt ids): a row per prompt for the drafter, one for the n-gram and, per setting, one for that setting.
+            phases: Phases | None = None, ngram_draft_tokens: list[int] | None = None) -> tuple[list[dict], dict[int, list[dict]], list[list[dict]]]:
+    """Plain greedy, then speculative, then (given an NgramDecoder) n-gram at each of ngram_draft_tokens (default: the
+    drafter's k), then each sweep setting (TreeShapes), on each (id, prompt ids): a row per prompt for the drafter, per
+    n-gram draft length (a dict by length) and per setting.
 
     `model` is a transformers model or a StaticLlama around one (see open_decoder): every decoder uses it.
     They all run back to back on each prompt, so drift over the run hits them alike. greedy_paths, when given,
@@ -301,10 +302,11 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
     with phases("warm-up (compile, capture)"):
         greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
         speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
-        if ngram:
-            ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
+        ngram_rows = {k: [] for k in ngram_draft_tokens or [draft_tokens]} if ngram else {}
+        for k in ngram_rows:
+            ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, k)
         warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, sweep)
-    rows, ngram_rows, sweep_rows = [], [], [[] for _ in sweep]
+    rows, sweep_rows = [], [[] for _ in sweep]
     with phases(f"timed decoding ({len(prompts)} prompts)"):
         _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens, ngram, sweep, greedy_paths, sweep_prompts,
                     rows, ngram_rows, sweep_rows)
@@ -321,8 +323,8 @@ def _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens,
         swept = sweep if sweep_prompts is None or index < sweep_prompts else []
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
-        if ngram:
-            ngram_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, draft_tokens)))
+        for k, k_rows in ngram_rows.items():
+            k_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, k)))
         for setting_rows, row in zip(sweep_rows, decode_settings(model, drafter, prompt_id, prompt_ids, plain, max_new_tokens, stop_ids, swept)):
             setting_rows.append(row)
 
@@ -406,9 +408,9 @@ def run_benchmark(
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
     greedy_paths = {}
-    rows, ngram_rows, sweep_rows = measure(
+    rows, ngram_rows_by_k, sweep_rows = measure(
         engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep, greedy_paths,
-        cfg["sweep_prompts"], phases,
+        cfg["sweep_prompts"], phases, cfg["ngram_draft_tokens"],
     )
     if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
         decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
@@ -432,7 +434,7 @@ def run_benchmark(
         summary["agreement_in_timing_dtype"] = {"dtype": timing_dtype, "identical": sum(r["identical"] for r in rows), "checked": len(rows),
                                                 "largest_margin_at_divergence": max(margins, default=None)}
         summary["lossless"] = not check["different"]  # the main chain's; the sweep block holds each setting's
-    ngram = ngram_block(ngram_rows, cfg["draft_tokens"], summary["greedy_tokens_per_s"]) if ngram_rows else None
+    ngram, ngram_rows = fastest_ngram(ngram_rows_by_k, summary["greedy_tokens_per_s"]) if ngram_rows_by_k else (None, [])
     speedup_over_ngram = summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None
     swept = sweep_block(sweep, sweep_rows, summary, cfg["draft_tokens"], ngram=ngram, speedup_over_ngram=speedup_over_ngram,
                         check=check, timing_dtype=timing_dtype, main_rows=rows, ngram_rows=ngram_rows)
@@ -471,7 +473,8 @@ def run_benchmark(
                     f"({', '.join(d['id'] for d in different[:5])}): that is a bug or an exact near-tie. Recorded as lossless: false."
                 )
     else:
-        timed = [("speculative", rows), ("n-gram", ngram_rows), *((f"sweep setting {s['label']}", s["per_prompt"]) for s in (swept or {}).get("settings", []))]
+        timed = [("speculative", rows), *((f"n-gram k = {k}", r) for k, r in ngram_rows_by_k.items()),
+                 *((f"sweep setting {s['label']}", s["per_prompt"]) for s in (swept or {}).get("settings", []))]
         for label, decoded in timed:
             different = [r["id"] for r in decoded if not r["identical"]]
             if different:

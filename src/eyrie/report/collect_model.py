@@ -454,9 +454,13 @@ def _ngram_figures(data: dict) -> dict[str, Any]:
     """The n-gram baseline's block of a benchmark JSON, as the drafter's figures are read."""
     per_prompt = [p for p in data.get("per_prompt") or [] if isinstance(p, dict)]
     speedup = number(data.get("speedup"))
+    lengths = [entry for entry in data.get("by_draft_tokens") or [] if isinstance(entry, dict)]  # absent before it was recorded
     return {
         "max_ngram": data.get("max_ngram"),
         "min_ngram": data.get("min_ngram"),
+        "draft_tokens": data.get("draft_tokens"),
+        "by_draft_tokens": [{"draft_tokens": e.get("draft_tokens"), "tokens_per_s": number(e.get("tokens_per_s")),
+                             "mean_acceptance_length": number(e.get("mean_acceptance_length"))} for e in lengths],
         "mean_acceptance_length": number(data.get("mean_acceptance_length")),
         "acceptance_rate_per_position": [number(r) for r in data.get("acceptance_rate_per_position") or []],
         "rounds": data.get("rounds"),
