@@ -11,6 +11,8 @@ process:
     +recompute    the same with train.recompute_mlp
     +compiled     flex+chunked with train.compile: the layer's elementwise work (casts, RMSNorms,
                   rotary, residual adds, SiLU * up) fused by torch.compile (eyrie.training.compiled_layers)
+    flex+fused-loss  flex+chunked with train.fused_loss: each loss chunk's elementwise work fused by
+                  torch.compile (eyrie.training.draft_loss.LossChunks); +compiled: with train.compile too
 
 Each: tokens/s (median step time after warm-up; flex attention and train.compile compile in the
 first warm-up step, so no timed step includes compile time) and peak memory
@@ -56,6 +58,10 @@ VARIANTS = {
     "flex+chunked": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None, compile=False),
     "flex+chunked+recompute": dict(attention="flex", chunked_loss=True, recompute_mlp=True, frozen_bf16=True, fused_adam=None, compile=False),
     "flex+chunked+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None, compile=True),
+    "flex+fused-loss": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None, compile=False,
+                            fused_loss=True),
+    "flex+fused-loss+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
+                                     compile=True, fused_loss=True),
 }
 
 
@@ -132,7 +138,7 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
         model.lm_head.weight.copy_(target_head[draft_ids.to(device)].float())
     optimizer = make_optimizer(model, 1e-4, 0.0, fused=variant["fused_adam"])
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
-                             recompute_mlp=variant["recompute_mlp"], compile=variant["compile"])
+                             recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False))
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
@@ -183,6 +189,8 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
     compiled = objective.compiled
     if compiled is not None and compiled.error is not None:  # the figures are then eager ones
         print(f"  {name}: train.compile FELL BACK TO EAGER: {compiled.error}", flush=True)
+    if objective.loss_chunks.error is not None:
+        print(f"  {name}: train.fused_loss FELL BACK TO EAGER: {objective.loss_chunks.error}", flush=True)
     if cuda and name in args.profile.split(","):
         profile_steps(name, functools.partial(timed_step, objective, optimizer, batch, target_head, draft_ids, t2d, device))
     step_s = statistics.median(times)
@@ -195,6 +203,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         "positions_trained_step0": result["stats"][0][2],
         "dynamo_unique_graphs": _compiled_graphs(),  # cumulative; growing every step would mean flex recompiles
         "compile_fallback": None if compiled is None else compiled.error,  # set: train.compile ran eagerly
+        "fused_loss_fallback": objective.loss_chunks.error,  # set: train.fused_loss ran eagerly
     }
     del objective, optimizer, target_head, batch
     gc.collect()
@@ -230,9 +239,13 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft vocabulary size (default the shape's; the eleventh session's H200 drafter had 30,952)")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     args = parser.parse_args()
-    dims = SMALL if args.small else SHAPES[args.shape]
+    dims = dict(SMALL if args.small else SHAPES[args.shape])
+    if args.draft_vocab:
+        dims["draft_vocab"] = args.draft_vocab
     args.seq_len = args.seq_len or (64 if args.small else 2048)
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -913,6 +913,22 @@ def test_compile_failure_mid_step_falls_back_to_eager_and_recomputes_along_the_s
         assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-6), name
 
 
+def test_a_training_job_with_the_fused_loss_follows_the_eager_run_and_says_so(tmp_path):
+    """train.fused_loss true on the CPU: the same loss curve as eager, and config.json records that it ran fused."""
+    inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
+    eager = run(tmp_path, inputs, "eager", train={"fused_loss": False, "epochs": 2, "batch_tokens": 48})
+    fused = run(tmp_path, inputs, "fused", train={"fused_loss": True, "epochs": 2, "batch_tokens": 48})
+    assert "fused_loss" not in eager and fused["fused_loss"] == {"fused": True, "fallback": None}
+    eager_log = json.loads((tmp_path / "eager" / "training_log.json").read_text())
+    fused_log = json.loads((tmp_path / "fused" / "training_log.json").read_text())
+    eager_losses = [entry["loss"] for entry in eager_log if "loss" in entry]
+    fused_losses = [entry["loss"] for entry in fused_log if "loss" in entry]
+    assert len(fused_losses) == len(eager_losses) > 1
+    assert fused_losses == pytest.approx(eager_losses, rel=1e-5)
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert config["eyrie"]["metrics"]["fused_loss"] == {"fused": True, "fallback": None}
+
+
 def test_training_without_a_cxx_compiler_falls_back_to_eager_and_logs_it(tmp_path, monkeypatch):
     """Inductor without a working C++ compiler: train_drafter warns, trains eagerly (the eager run's losses)
     and records the fallback in training_log.json and config.json."""

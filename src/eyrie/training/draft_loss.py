@@ -12,6 +12,9 @@ keeps only x and logsumexp per row; backward recomputes each chunk's logits.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 25  # logits of one chunk: 32M float32 = 128 MB
@@ -26,13 +29,78 @@ def _stat_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(compute_dtype, torch.float32)
 
 
-def _logits(x_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (x_chunk @ weight.T).to(_stat_dtype(x_chunk.dtype))  # (c, Vd)
+def _chunk_forward(z, probs, rows, argmax):
+    """(logsumexp [c], loss summed over the chunk, #rows whose argmax hits) of logits z [c, Vd] against probs[rows]."""
+    z = z.to(_stat_dtype(z.dtype))
+    p = probs[rows]
+    lse = torch.logsumexp(z, dim=-1)
+    return lse, (p.sum(-1) * lse - (p * z).sum(-1)).sum(), (z.argmax(-1) == argmax).sum()
+
+
+def _chunk_grad(z, probs, rows, lse, grad_loss, dtype):
+    """dloss/dz of one chunk, times grad_loss, in dtype (the matrix products' input dtype)."""
+    z = z.to(lse.dtype)
+    p = probs[rows]
+    return ((p.sum(-1, keepdim=True) * torch.exp(z - lse[:, None]) - p) * grad_loss).to(dtype)
+
+
+PIECES = {"forward": _chunk_forward, "grad": _chunk_grad}
+
+
+@functools.cache
+def _compiled(name: str):
+    return torch.compile(PIECES[name], dynamic=True, fullgraph=True)
+
+
+class LossChunks:
+    """The per-chunk elementwise work of the loss, eager or fused by torch.compile (train.fused_loss).
+
+    Eagerly, each chunk's float32 [c, Vd] logits go through about a dozen kernels in forward and backward
+    (cast, gather of the target rows, logsumexp, products, sums, exp, subtraction, cast): at the pipeline's
+    drafter shape on an H200 that was two thirds of a training step's kernel time, the matrix products 14%
+    (docs/PERFORMANCE.md). Compiled, forward is one reduction over each row and backward one pointwise
+    kernel that writes the gradient in the products' dtype. The values are the same formulas.
+    If compiling fails, a warning is issued, the reason kept in error, and every chunk runs eagerly from then on.
+    """
+
+    def __init__(self, fused: bool):
+        self.fused = fused
+        self.error: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.fused and self.error is None
+
+    def _run(self, name: str, *args):
+        if self.active:
+            try:
+                return _compiled(name)(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- inductor and dynamo raise many types; any of them means: run eagerly
+                self.error = f"{name}: {type(exc).__name__}: {exc}".strip()[:2000]
+                warnings.warn(f"train.fused_loss: torch.compile failed, the loss runs eagerly (same values, eager speed): {self.error}",
+                              RuntimeWarning, stacklevel=3)
+        return PIECES[name](*args)
+
+    def forward(self, z, probs, rows, argmax):
+        return self._run("forward", z, probs, rows, argmax)
+
+    def grad(self, z, probs, rows, lse, grad_loss, dtype):
+        return self._run("grad", z, probs, rows, lse, grad_loss, dtype)
+
+
+EAGER = LossChunks(fused=False)
+
+
+def fuses_loss(setting, device) -> bool:
+    """train.fused_loss settled for a device: auto fuses on CUDA (Triton), not on a CPU (inductor's C++ compiles slowly)."""
+    return setting is True or (setting == "auto" and torch.device(device).type == "cuda")
 
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, probs, rows, argmax, compute_dtype, chunk_rows):
+    def forward(ctx, x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks):
         """(summed loss over the n rows, #rows whose logits' argmax == argmax). probs rows are probs[rows]."""
         w = weight.to(compute_dtype)
         xc = x.to(compute_dtype)
@@ -41,14 +109,12 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=lse.dtype, device=x.device)
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         for a in range(0, n, chunk_rows):
-            z = _logits(xc[a : a + chunk_rows], w)
-            p = probs[rows[a : a + chunk_rows]]
-            lse[a : a + chunk_rows] = torch.logsumexp(z, dim=-1)
-            loss += (p.sum(-1) * lse[a : a + chunk_rows] - (p * z).sum(-1)).sum()
-            correct += (z.argmax(-1) == argmax[a : a + chunk_rows]).sum()
-            del z, p
+            lse_chunk, loss_chunk, correct_chunk = chunks.forward(xc[a : a + chunk_rows] @ w.T, probs, rows[a : a + chunk_rows], argmax[a : a + chunk_rows])
+            lse[a : a + chunk_rows] = lse_chunk
+            loss += loss_chunk
+            correct += correct_chunk
         ctx.save_for_backward(xc, weight, probs, rows, lse)
-        ctx.compute_dtype, ctx.chunk_rows, ctx.x_dtype = compute_dtype, chunk_rows, x.dtype
+        ctx.compute_dtype, ctx.chunk_rows, ctx.x_dtype, ctx.chunks = compute_dtype, chunk_rows, x.dtype, chunks
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
@@ -61,30 +127,26 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         step = ctx.chunk_rows
         for a in range(0, xc.shape[0], step):
             x_chunk = xc[a : a + step]
-            z = _logits(x_chunk, w)
-            p = probs[rows[a : a + step]]
-            grad_z = p.sum(-1, keepdim=True) * torch.exp(z - lse[a : a + step, None]) - p
-            grad_z = (grad_z * grad_loss).to(ctx.compute_dtype)  # (c, Vd)
-            del z, p
+            grad_z = ctx.chunks.grad(x_chunk @ w.T, probs, rows[a : a + step], lse[a : a + step], grad_loss, ctx.compute_dtype)  # (c, Vd)
             grad_x[a : a + step] = grad_z @ w
             grad_w += grad_z.T @ x_chunk
         grad_x = grad_x.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
-def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=None, chunk_rows=None):
+def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=None, chunk_rows=None, chunks: LossChunks = EAGER):
     """(loss summed over rows, correct count) of logits x @ weight.T against probs[rows].
 
     x [n, H] (the normed drafter output at trained positions), weight [Vd, H], probs [N, Vd]
     float32, rows [n] long (row of probs for each x row), argmax [n] (the target's draft-vocab
     argmax: accuracy). The logits are computed in compute_dtype (default x's dtype; the
     autocast dtype under autocast), chunk_rows rows at a time, softmax statistics in float32.
-    Gradients flow to x and weight only.
+    Gradients flow to x and weight only. chunks: the per-chunk elementwise work, eager or fused (LossChunks).
     """
     if compute_dtype is None:
         device_type = x.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     chunk_rows = chunk_rows or chunk_rows_for(weight.shape[0])
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return _ChunkedSoftCrossEntropy.apply(x, weight, probs, rows, argmax, compute_dtype, chunk_rows)
+        return _ChunkedSoftCrossEntropy.apply(x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks)

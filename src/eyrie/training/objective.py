@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from eyrie.drafter.model import Eagle3Drafter
+from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -269,17 +270,15 @@ def ttt_loss(logits_per_step, targets, target_probs, decay: float):
     return total, stats
 
 
-def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, target_probs, chunked: bool = True):
+def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, target_probs, chunked: bool = True, chunks=None):
     """(soft cross-entropy summed over step j's trained positions, #argmax hits); out = ttt_hidden's [n_j, H].
 
-    chunked: eyrie.training.draft_loss (never keeps [n_j, Vd] logits for backward); otherwise the plain
-    formula of ttt_loss (the reference).
+    chunked: eyrie.training.draft_loss (never keeps [n_j, Vd] logits for backward), its per-chunk work as
+    chunks (a draft_loss.LossChunks; None: eager); otherwise the plain formula of ttt_loss (the reference).
     """
     rows, args = pick_positions(row, valid), pick_positions(arg, valid)  # valid: bool [B, L] or flat indices
     if chunked:
-        from eyrie.training.draft_loss import chunked_soft_cross_entropy
-
-        return chunked_soft_cross_entropy(model.head_input(out), model.lm_head.weight, target_probs, rows, args)
+        return chunked_soft_cross_entropy(model.head_input(out), model.lm_head.weight, target_probs, rows, args, chunks=chunks or EAGER)
     logits = model.head(out)
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(target_probs[rows] * logp).sum(), (logits.argmax(-1) == args).sum()
@@ -290,11 +289,14 @@ class TTTObjective(torch.nn.Module):
 
     compile (train.compile): the layer's elementwise work runs through torch.compile
     (eyrie.training.compiled_layers); self.compiled.error says why it fell back to eager, if it did.
+    fused_loss (train.fused_loss): the chunked loss's elementwise work runs through torch.compile
+    (eyrie.training.draft_loss.LossChunks); self.loss_chunks.error says why it fell back, if it did.
     """
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
-                 recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0):
+                 recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False):
         super().__init__()
+        self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
         self.drafter = drafter
         self.steps, self.decay = steps, decay
         self.hard_label_weight = hard_label_weight  # train_step's labels: eyrie.training.objective.mix_hard_labels
@@ -318,7 +320,7 @@ class TTTObjective(torch.nn.Module):
                           attention=self.attention, recompute_mlp=self.recompute_mlp, compiled=self.compiled)
         loss, stats = 0.0, []
         for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
-            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss)
+            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss, self.loss_chunks)
             loss = loss + (self.decay**j) * loss_sum / counts[j].clamp(min=1).to(loss_sum.dtype)
             count = torch.full((), float(out.shape[0]), dtype=torch.float64, device=out.device)  # a fill, not a host copy
             stats.append(torch.stack([loss_sum.detach().double(), correct.double(), count]))

@@ -42,6 +42,7 @@ from eyrie.drafter.model import Eagle3Drafter
 from eyrie.target.head import TargetHeadError, load_target_head
 from eyrie.training.acceptance import acceptance_line, simulate_acceptance
 from eyrie.training.distributed import DistributedContext, data_parallel, distributed_context, rank_share
+from eyrie.training.draft_loss import fuses_loss
 from eyrie.training.errors import NonFiniteError, TrainingInputError
 from eyrie.training.holdout import HELD_OUT_SOURCE, TRAINING_SOURCE
 from eyrie.training.inputs import HiddenCache, StateSource, TrainingInputs, read_inputs
@@ -70,6 +71,7 @@ class _Run:
     frozen_dtype: torch.dtype  # of the frozen embeddings, the target's head and the batches: bf16 under autocast
     weight_dtype: torch.dtype  # of the written checkpoint
     attention: str  # "eager" or "flex" (eyrie.training.ttt_attention)
+    fused_loss: bool  # train.fused_loss settled: the loss's elementwise work through torch.compile (eyrie.training.draft_loss)
     ttt_steps: int
     steps_per_epoch: int
     total_steps: int
@@ -83,6 +85,7 @@ class _Trainer:
     optimizer: torch.optim.Optimizer
     objective: torch.nn.Module | None  # the TTTObjective, inside DistributedDataParallel when there are several ranks
     compiled: Any  # the objective's CompiledLayers (train.compile) or None; kept here: DDP hides the objective's attributes
+    loss_chunks: Any  # the objective's LossChunks (train.fused_loss), kept here for the same reason
     target_lm_head: torch.Tensor
     draft_ids: torch.Tensor  # target id of each draft id, on the device
     t2d: torch.Tensor
@@ -200,6 +203,7 @@ def _settle_run(inputs: TrainingInputs, drafter_cfg: dict, train_cfg: dict, temp
         frozen_dtype=torch.bfloat16 if use_bf16 else torch.float32,
         weight_dtype=torch.float32 if dtype == "float32" else torch.bfloat16,
         attention=attention,
+        fused_loss=fuses_loss(train_cfg["fused_loss"], ranks.device),
         ttt_steps=int(drafter_cfg["ttt_steps"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=max(1, math.ceil(float(train_cfg["epochs"]) * steps_per_epoch)),
@@ -226,8 +230,9 @@ def _build_trainer(run: _Run, target_dir: str) -> _Trainer:
     optimizer = make_optimizer(model, float(cfg["learning_rate"]), float(cfg["weight_decay"]))
     objective = TTTObjective(model, run.ttt_steps, float(run.drafter_cfg["step_weight_decay"]), attention=run.attention,
                              recompute_mlp=bool(cfg["recompute_mlp"]), compile=bool(cfg["compile"]),
-                             hard_label_weight=float(cfg["hard_label_weight"]))
-    return _Trainer(model, optimizer, objective, objective.compiled, target_lm_head, draft_ids.to(device), inputs.t2d.to(device))
+                             hard_label_weight=float(cfg["hard_label_weight"]), fused_loss=run.fused_loss)
+    return _Trainer(model, optimizer, objective, objective.compiled, objective.loss_chunks, target_lm_head, draft_ids.to(device),
+                    inputs.t2d.to(device))
 
 
 def _resume(run: _Run, trainer: _Trainer, state_dir: Path, run_id: str, say: Callable[[str], None]) -> RunRecord:
@@ -248,6 +253,7 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         f"({cfg['epochs']} epochs), {run.ttt_steps} TTT steps, draft vocab {inputs.shape.draft_vocab_size}, device {run.ranks.device}"
         f"{', bf16 autocast' if run.use_bf16 else ', fp32'}, {run.attention} attention"
         + (", layer elementwise work compiled (train.compile)" if trainer.compiled is not None else "")
+        + (", loss elementwise work fused (train.fused_loss)" if trainer.loss_chunks.fused else "")
         + (f", {run.ranks.world} ranks" if run.ranks.world > 1 else "")
         + f"; {cfg['lr_schedule']} learning rate, {'keeping the best epoch' if cfg['keep_best'] else 'keeping the last epoch'}"
         + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
@@ -274,6 +280,7 @@ def _train_steps(
     noise = float(cfg["hidden_noise"])
     compiled = trainer.compiled
     compile_fallback = None
+    loss_fallback_said = False
     last_save = time.perf_counter()
     trainer.model.train()
     states = run.inputs.states
@@ -306,6 +313,9 @@ def _train_steps(
             if compiled is not None and compiled.error is not None and compile_fallback is None:
                 compile_fallback = {"step": step + 1, "error": compiled.error}
                 say(f"train: train.compile failed in step {step + 1}; training goes on eagerly (the same training at eager speed): {compiled.error}")
+            if trainer.loss_chunks.error is not None and not loss_fallback_said:
+                loss_fallback_said = True
+                say(f"train: train.fused_loss failed in step {step + 1}; the loss runs eagerly (same values, eager speed): {trainer.loss_chunks.error}")
             done = record.step = step + 1
             record.tokens += result["tokens"]
             record.seconds += elapsed
@@ -434,6 +444,8 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
     }
     if trainer.compiled is not None:
         summary["compile"] = {"compiled": trainer.compiled.active, "fallback": compile_fallback}
+    if trainer.loss_chunks.fused:
+        summary["fused_loss"] = {"fused": trainer.loss_chunks.active, "fallback": trainer.loss_chunks.error}
     if run.ranks.rank != 0:
         return summary
     tensors = checkpoint_tensors(trainer.model, run.weight_dtype)
@@ -445,7 +457,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "drafter": run.drafter_cfg,
         "train": run.train_cfg,
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
-        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile") if k in summary}},
+        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile", "fused_loss") if k in summary}},
         SIMULATED_ACCEPTANCE: check_simulated_acceptance(acceptance, Path(out_dir) / "config.json"),
         "kept": kept,
     }

@@ -1,0 +1,61 @@
+"""train.fused_loss: the chunked draft loss's per-chunk work through torch.compile gives eager's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyrie.training import draft_loss
+from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy, fuses_loss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    yield
+
+
+def _loss_and_grads(chunks, n, seed=4, chunk_rows=4, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    H, Vd, N = 8, 37, 30
+    x = torch.randn(n, H, generator=g, dtype=dtype).requires_grad_()
+    weight = torch.randn(Vd, H, generator=g, dtype=dtype).requires_grad_()
+    probs = torch.softmax(2 * torch.randn(N, Vd, generator=g, dtype=dtype), -1)
+    rows = torch.randint(0, N, (n,), generator=g)
+    argmax = (x.detach() @ weight.detach().T).argmax(-1)
+    argmax[::3] = -1  # target argmaxes the drafter cannot hit
+    loss, correct = chunked_soft_cross_entropy(x, weight, probs, rows, argmax, chunk_rows=chunk_rows, chunks=chunks)
+    gx, gw = torch.autograd.grad(1.7 * loss, [x, weight])
+    return float(loss), int(correct), gx, gw
+
+
+@pytest.mark.parametrize("n", [13, 9])  # ragged last chunks of 1 and 5 rows; the second size reuses the graphs
+def test_fused_chunks_give_the_eager_loss_and_gradients(n):
+    chunks = LossChunks(fused=True)
+    loss, correct, gx, gw = _loss_and_grads(chunks, n)
+    assert chunks.error is None and chunks.active  # it ran compiled
+    ref_loss, ref_correct, rgx, rgw = _loss_and_grads(EAGER, n)
+    assert correct == ref_correct == n - len(range(0, n, 3))
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert torch.allclose(gx, rgx, rtol=1e-5, atol=1e-6) and torch.allclose(gw, rgw, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
+    def failing(name):
+        def call(*args):
+            raise RuntimeError("simulated inductor failure")
+
+        return call
+
+    monkeypatch.setattr(draft_loss, "_compiled", failing)
+    chunks = LossChunks(fused=True)
+    with pytest.warns(RuntimeWarning, match="train.fused_loss: torch.compile failed.*simulated inductor failure"):
+        loss, correct, gx, gw = _loss_and_grads(chunks, 13)
+    assert chunks.error == "forward: RuntimeError: simulated inductor failure" and not chunks.active and chunks.fused
+    ref_loss, ref_correct, rgx, rgw = _loss_and_grads(EAGER, 13)
+    assert (loss, correct) == (ref_loss, ref_correct) and torch.equal(gx, rgx) and torch.equal(gw, rgw)
+
+
+@pytest.mark.parametrize("setting, device, fused", [("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False),
+                                                     (True, "cpu", True), (False, "cuda", False)])
+def test_auto_fuses_on_cuda_only(setting, device, fused):
+    assert fuses_loss(setting, device) is fused
