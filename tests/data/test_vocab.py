@@ -110,15 +110,22 @@ def test_a_resized_vocab_is_the_one_built_at_that_size_from_the_same_shards(shar
         resize_draft_vocab(str(built), V + 1, str(tmp_path / "big.safetensors"))
 
 
-def test_clipped_when_fewer_tokens_were_seen(shards, tmp_path):
-    with pytest.warns(VocabClippedWarning, match="only 6 distinct"):
+def test_clipped_when_fewer_tokens_were_seen_and_padded_to_a_multiple_of_8(shards, tmp_path):
+    """Every seen id is kept, and the lowest never-seen ids pad the head's rows to a multiple of 8 (GPU products)."""
+    with pytest.warns(VocabClippedWarning, match="only 6 distinct.*padded with 2 never-seen ids to 8, a multiple of 8"):
         manifest = build_draft_vocab(shards, V, 10, str(tmp_path / "v.safetensors"))
-    assert manifest["clipped"] is True
-    assert manifest["draft_vocab_size"] == 6 and manifest["requested_draft_vocab_size"] == 10
+    assert manifest["clipped"] is True and manifest["unseen_padding"] == 2
+    assert manifest["draft_vocab_size"] == 8 and manifest["requested_draft_vocab_size"] == 10
     assert manifest["coverage"] == 1.0
     d2t, t2d, _ = load_draft_vocab(tmp_path / "v.safetensors")
-    assert (torch.arange(6) + d2t).tolist() == [2, 3, 5, 7, 9, 12]
-    assert int(t2d.sum()) == 6
+    assert (torch.arange(8) + d2t).tolist() == [0, 1, 2, 3, 5, 7, 9, 12]
+    assert int(t2d.sum()) == 8
+
+
+def test_padding_never_exceeds_the_requested_size(shards, tmp_path):
+    with pytest.warns(VocabClippedWarning, match=r"only 6 distinct.*padded with 1 never-seen ids to 7 \(a multiple of 8 would exceed the limit\)"):
+        manifest = build_draft_vocab(shards, V, 7, str(tmp_path / "v.safetensors"))
+    assert manifest["draft_vocab_size"] == 7 and manifest["unseen_padding"] == 1
 
 
 def test_no_warning_when_not_clipped(shards, tmp_path):

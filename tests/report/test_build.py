@@ -374,12 +374,12 @@ def _drafter_config(template: str = SHA_A, aux: list | None = None) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1, "hidden_size": HIDDEN,
         "intermediate_size": 4 * HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(VOCAB_COUNTS),
-        "draft_vocab_size": 6, "target_hidden_size": HIDDEN, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+        "draft_vocab_size": 8, "target_hidden_size": HIDDEN, "max_position_embeddings": 2048, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux or AUX, "use_aux_hidden_state": True},
         "eyrie": {
             "template_sha256": template, "target_fingerprint": TARGET_FP, "drafter": {"ttt_steps": TTT},
             "train": {"epochs": 2.5, "learning_rate": 3e-4, "batch_tokens": 4096},
-            "vocab": {"draft_vocab_size": 6, "requested_draft_vocab_size": 8, "coverage": 1.0, "clipped": True},
+            "vocab": {"draft_vocab_size": 8, "requested_draft_vocab_size": 8, "coverage": 1.0, "clipped": True},
             "metrics": {"accuracy_per_step": [0.612, 0.503, 0.391], "loss_per_step": [1.6, 2.1, 2.5], "loss": 2.15, "over_steps": [30, 50],
                         "steps": 50, "samples": 6, "tokens": 1210, "seconds": 12.5, "tokens_per_second": 96.8},
         },
@@ -396,12 +396,14 @@ def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_templ
     import torch
 
     counts = torch.tensor(VOCAB_COUNTS, dtype=torch.int64)
-    kept = torch.nonzero(counts).flatten()
+    kept = torch.cat([torch.tensor([0, 1]), torch.nonzero(counts).flatten()])  # the 6 seen ids padded to 8, as build_vocab does
+    t2d = torch.zeros(len(VOCAB_COUNTS), dtype=torch.bool)
+    t2d[kept] = True
     vocab = _save_safetensors(
         root / "results" / "vocab" / "draft_vocab.safetensors",
-        {"d2t": kept - torch.arange(len(kept)), "t2d": counts > 0, "counts": counts, "draft_ids": kept},
-        {"draft_vocab_size": 6, "requested_draft_vocab_size": 8, "target_vocab_size": len(VOCAB_COUNTS), "assistant_tokens": 100,
-         "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": SHA_A, "clipped": True, "shards": 4},
+        {"d2t": kept - torch.arange(len(kept)), "t2d": t2d, "counts": counts, "draft_ids": kept},
+        {"draft_vocab_size": 8, "requested_draft_vocab_size": 8, "target_vocab_size": len(VOCAB_COUNTS), "assistant_tokens": 100,
+         "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": SHA_A, "clipped": True, "unseen_padding": 2, "shards": 4},
     )
     hidden = []
     for (dataset, shard), numbers in HIDDEN_SHARDS.items():
@@ -447,7 +449,7 @@ def full_html(tmp_path_factory) -> str:
 
 
 def test_full_report_header_lists_every_stage(full_html):
-    assert "draft vocab: 6 tokens, 100.0% coverage" in full_html
+    assert "draft vocab: 8 tokens, 100.0% coverage" in full_html
     assert "hidden states: 3 of 4 shards" in full_html
     assert "drafter: 50 training steps" in full_html
     assert "benchmark: 3 of 4 benchmarks, 1 with an error" in full_html
@@ -459,7 +461,8 @@ def test_full_report_header_lists_every_stage(full_html):
 def test_full_report_vocab(full_html):
     assert "coverage (assistant tokens inside the draft vocabulary)" in full_html
     assert "<strong>100.0%</strong>" in full_html
-    assert "only 6 distinct assistant tokens were seen, fewer than the requested draft_vocab_size 8" in full_html
+    assert ("only 6 distinct assistant tokens were seen, fewer than the requested draft_vocab_size 8; the draft vocabulary holds all of "
+            "them, padded with 2 never-seen ids to 8 rows") in full_html
     assert "Cumulative coverage by vocabulary size" in full_html
 
 

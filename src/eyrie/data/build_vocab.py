@@ -13,6 +13,10 @@ from eyrie.core.errors import ContractError
 from eyrie.data.tokens import read_tokens, shard_template
 from eyrie.data.vocab import WRITTEN_BY, VocabError, VocabSizeError, load_draft_vocab, write_draft_vocab
 
+# The draft head's rows: at 26,641 (not a multiple of 8) cuBLAS ran the head's products in Turing-era kernels on an
+# H200, and a training step at the pipeline's shape took 1.39x as long as at 30,952 (docs/PERFORMANCE.md §5).
+ALIGNMENT = 8
+
 
 class VocabClippedWarning(UserWarning):
     """Fewer distinct assistant tokens were seen than the requested draft vocabulary size."""
@@ -38,10 +42,10 @@ def count_assistant_tokens(token_shards: list[str], target_vocab_size: int) -> n
 
 
 def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
-    """The draft_vocab_size most frequent seen ids (ties to the lower id), ascending."""
-    seen = np.flatnonzero(counts)
+    """The draft_vocab_size most frequent ids (ties to the lower id, so never-seen ids come last, lowest first), ascending."""
+    ids = np.arange(len(counts))
     # lexsort sorts by the last key first: descending count, then ascending id.
-    order = seen[np.lexsort((seen, -counts[seen]))]
+    order = ids[np.lexsort((ids, -counts))]
     return np.sort(order[:draft_vocab_size]).astype(np.int64)
 
 
@@ -91,16 +95,19 @@ def _check_size(draft_vocab_size: int, target_vocab_size: int) -> None:
 
 
 def _write_from_counts(counts: np.ndarray, draft_vocab_size: int, out_path: str, **provenance) -> dict:
-    """Keep the draft_vocab_size most frequent ids of `counts` (all seen ones, with a warning, when fewer were seen),
-    write them to out_path and return the manifest (provenance: template_sha256, shards, ...)."""
+    """Keep the draft_vocab_size most frequent ids of `counts` and write them to out_path; returns the manifest
+    (provenance: template_sha256, shards, ...). When fewer ids were seen, all of them, with a warning, padded with
+    never-seen ids up to a multiple of ALIGNMENT (at most draft_vocab_size): the drafter's head is that many rows."""
     total, seen = int(counts.sum()), int(np.count_nonzero(counts))
     effective = draft_vocab_size
     clipped = seen < draft_vocab_size
     if clipped:
-        effective = seen
+        effective = min(draft_vocab_size, len(counts), -(-seen // ALIGNMENT) * ALIGNMENT)
+        aligned = f", a multiple of {ALIGNMENT}" if effective % ALIGNMENT == 0 else f" (a multiple of {ALIGNMENT} would exceed the limit)"
+        padding = f" and padded with {effective - seen} never-seen ids to {effective}{aligned}" if effective > seen else ""
         warnings.warn(
             f"only {seen} distinct assistant tokens were seen, fewer than draft_vocab_size {draft_vocab_size}; "
-            f"the draft vocabulary is clipped to {seen} (add data or lower draft_vocab_size)",
+            f"the draft vocabulary is clipped to them{padding} (add data or lower draft_vocab_size)",
             VocabClippedWarning,
             stacklevel=3,
         )
@@ -113,6 +120,7 @@ def _write_from_counts(counts: np.ndarray, draft_vocab_size: int, out_path: str,
         "distinct_assistant_tokens": seen,
         "coverage": float(counts[kept].sum() / total),
         "clipped": bool(clipped),
+        "unseen_padding": int(max(0, effective - seen)),
         **provenance,
     }
     write_draft_vocab(out_path, kept, counts, manifest)

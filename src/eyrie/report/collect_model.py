@@ -50,8 +50,10 @@ def vocab_section(path: str | None, warnings: list) -> dict[str, Any] | None:
     if clipped:
         note = (
             f"only {fmt_num(manifest.get('distinct_assistant_tokens'))} distinct assistant tokens were seen, "
-            f"fewer than the requested draft_vocab_size {fmt_num(requested)}; the draft vocabulary holds all of them "
-            "(more data, or a smaller drafter.draft_vocab_size, removes this note)"
+            f"fewer than the requested draft_vocab_size {fmt_num(requested)}; the draft vocabulary holds all of them"
+            + (f", padded with {fmt_num(manifest['unseen_padding'])} never-seen ids to {fmt_num(size)} rows"
+               if manifest.get("unseen_padding") else "")
+            + " (more data, or a smaller drafter.draft_vocab_size, removes this note)"
         )
     return {
         "path": str(path),
