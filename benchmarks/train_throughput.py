@@ -21,8 +21,8 @@ against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex 
 
     python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
     python benchmarks/train_throughput.py --small --out /tmp/tt.json             # CPU smoke test
-    python benchmarks/train_throughput.py --shape pipeline --batch 8 --variants flex+chunked,flex+chunked+compiled \
-        --profile flex+chunked --out tt_pipeline.json      # the pipeline's drafter (H 576), 16,384 tokens per step
+    python benchmarks/train_throughput.py --shape pipeline --batch 32 --seq-len 512 \
+        --variants flex+chunked,flex+fused-loss --profile flex+fused-loss --out tt_pipeline.json  # the pipeline's drafter (H 576)
 
 Each variant's line also gives its matrix-product FLOPs per token (forward and backward, every TTT step: fc,
 q/k/v/o, MLP, the draft head, the target head's distribution and attention over the row) and the TFLOP/s that
@@ -49,8 +49,10 @@ from eyrie.training.optimizer import make_optimizer
 SPECFORGE_TOKENS_PER_S = (16000.0, 19000.0)
 SPECFORGE_PEAK_GIB = 13.0
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000, vocab=128256)
-# The pipeline's drafter on the default target (SmolLM2-135M-Instruct), draft vocabulary as the 12,000-conversation H200 run built it.
-PIPELINE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, draft_vocab=26641, vocab=49152)
+# The pipeline's drafter on the default target (SmolLM2-135M-Instruct), draft vocabulary as the eleventh session's H200 run
+# built it (every conversation and 3,000 synthetic prompts). The 12,000-conversation run's 26,641 (--draft-vocab 26641)
+# was not a multiple of 8, and its head's products ran 1.39x slower (docs/PERFORMANCE.md §5); build_vocab now pads.
+PIPELINE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, draft_vocab=30952, vocab=49152)
 SHAPES = {"llama-8b": LLAMA_8B, "pipeline": PIPELINE}
 SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=200, vocab=500)
 VARIANTS = {
@@ -239,8 +241,7 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
-    parser.add_argument("--draft-vocab", type=int, default=None,
-                        help="draft vocabulary size (default the shape's; the eleventh session's H200 drafter had 30,952)")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default the shape's)")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     args = parser.parse_args()
     dims = dict(SMALL if args.small else SHAPES[args.shape])
