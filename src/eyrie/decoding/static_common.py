@@ -46,6 +46,11 @@ def span_for(slots: int, capacity: int) -> int:
     return next(span for span in spans_up_to(capacity) if span >= slots)
 
 
+def rotary_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rope tables' rows at `positions`, shaped (1, 1, T, hd) to broadcast over heads."""
+    return cos.index_select(0, positions)[None, None], sin.index_select(0, positions)[None, None]
+
+
 def needed_capacity(prompt_tokens: int, max_new_tokens: int, draft_tokens: int = 0) -> int:
     """Cache slots for one decode: the verify writes k + 1 slots past the current token, the drafter's padded extend and chain up to 2k past it."""
     return round_up(prompt_tokens + max_new_tokens + 2 * draft_tokens + 2)

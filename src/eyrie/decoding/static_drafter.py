@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static_common import STATIC_ROPE_TYPES, UnsupportedTargetError, compiled_pieces, span_for, spans_up_to
+from eyrie.decoding.static_common import STATIC_ROPE_TYPES, UnsupportedTargetError, compiled_pieces, rotary_at, span_for, spans_up_to
 from eyrie.decoding.topk import top_k
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices
@@ -88,7 +88,7 @@ class StaticEagle3:
         compile per step width and span (and per tree shape and span for eyrie.decoding.static_tree): with those,
         warm-up took 98-128 s per benchmark job on an H200.
         """
-        rotary = cos.index_select(0, positions)[None, None], sin.index_select(0, positions)[None, None]
+        rotary = rotary_at(cos, sin, positions)
         x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions[None], rotary)
         q, k, v = self.products.project(x, cos, sin)  # (1, h, T, hd)
         keys.index_copy_(2, positions, k)

@@ -26,7 +26,7 @@ import torch
 from eyrie.decoding.common import SpecResult, emit, finished
 from eyrie.decoding.graphs import Replay
 from eyrie.decoding.static import StaticLlama
-from eyrie.decoding.static_common import compiled_pieces, needed_capacity, round_up, span_for, spans_up_to
+from eyrie.decoding.static_common import compiled_pieces, needed_capacity, rotary_at, round_up, span_for, spans_up_to
 from eyrie.decoding.static_drafter import StaticEagle3
 from eyrie.decoding.tree import TreeShape
 from eyrie.drafter.model import Eagle3Drafter
@@ -117,7 +117,7 @@ class StaticTree:
         cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
         K, drafter = self.shape.topk, self.drafter.drafter
         positions = last + depth
-        rotary = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
+        rotary = rotary_at(cos_table, sin_table, positions)
         x, cos, sin = drafter.layer_inputs(hidden, tokens[None], positions[None], rotary)
         q, k, v = self.drafter.products.project(x, cos, sin)  # (1, h, K, hd)
         tree_keys.index_copy_(2, own_slot_ids, k)
@@ -175,7 +175,7 @@ class StaticTree:
         mask = (relative < 0)[None] | (ancestry.index_select(1, relative.clamp(0, N - 1)) & in_tree[None])  # (N, capacity)
         mask = mask.repeat(target.heads // target.kv_heads, 1)
         positions = current + verify_depths
-        cos, sin = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
+        cos, sin = rotary_at(cos_table, sin_table, positions)
         return verify_tokens[None], current + self.rows, verify_parents, verify_depths, ancestry, mask, cos, sin
 
     def _accept(self, verify_tokens, predicted, verify_parents, verify_depths, ancestry, aux, current):
