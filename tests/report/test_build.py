@@ -329,7 +329,9 @@ BENCH["sharegpt"]["sweep"] = {  # the drafting settings measured beside the main
          "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}]},
         {"label": "tree 5-4-8", "steps": 5, "topk": 4, "draft_tokens": 8, "mean_acceptance_length": 2.91, "acceptance_rate_per_depth": [0.8, 0.55, 0.3, 0.2, 0.06],
          "rounds": 220, "new_tokens": 640, "tokens_per_s": 47.9, "speedup": 47.9 / 52.4, "speedup_over_ngram": 47.9 / 40.1, "lossless": True,
-         "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}], "speedup_interval": [0.85, 0.97],
+         "different": [], "per_prompt": [{"id": "s9", "identical": True, "tokens_per_s": 39.0, "acceptance_length_mean": 2.8},  # the n-gram: 41.3
+                                         {"id": "s8", "identical": True, "tokens_per_s": 50.0, "acceptance_length_mean": 3.0}],  # 38.9
+         "speedup_interval": [0.85, 0.97],
          "speedup_over_ngram_interval": [1.08, 1.31]},
     ],
     "main": {"label": "chain 4 (bench.draft_tokens)", "steps": 4, "topk": 1, "draft_tokens": 5, "mean_acceptance_length": 2.37, "tokens_per_s": 43.5,
@@ -576,6 +578,8 @@ def test_full_report_shows_the_sweep_and_the_sglang_command_of_its_recommendatio
     assert "recommended" not in rows[0] + rows[1]
     tree = rows[2].replace("&nbsp;", " ")
     assert "2.91" in tree and "1: 80.0%, 2: 55.0%, 3: 30.0%, 4: 20.0%, 5: 6.0%" in tree and "47.9" in tree
+    assert ("At the recommended setting the n-gram baseline was faster on <strong>1 of 2</strong> prompts: <code>s9</code> "
+            "(0.94×; acceptance 2.80 against the n-gram's 1.57).") in sharegpt
     assert "0.91× <strong class=\"slow\">(slower)</strong>" in tree and "1.19×" in tree and "yes: identical on 2 of 2 prompts" in tree
     assert '<span class="muted">(0.85–0.97)</span>' in tree and "muted" not in rows[1].split("yes")[0]  # the interval where recorded
     assert '1.19× <span class="muted">(1.08–1.31)</span>' in tree  # and the n-gram ratio's
@@ -650,6 +654,7 @@ def test_collect_back_half_is_plain_data(tmp_path):
     sweep = rows["sharegpt"]["sweep"]
     assert sweep["best"]["label"] == "tree 5-4-8" and sweep["best"]["recommended"] and sweep["command_error"] is None
     assert [r["label"] for r in sweep["rows"]] == ["chain 4 (bench.draft_tokens)", "chain 3", "tree 5-4-8"] and sweep["rows"][0]["main"]
+    assert sweep["ngram_faster"] == {"count": 1, "of": 2, "worst": [{"id": "s9", "acceptance": 2.8, "ngram_acceptance": 1.57, "ratio": 39.0 / 41.3}]}
     assert rows["humaneval"]["sweep"] is None
     assert rows["humaneval"]["error"] and rows["humaneval"]["identical"] == 3
     assert rows["chat"]["built"] and not rows["chat"]["measured"] and rows["chat"]["speedup"] is None

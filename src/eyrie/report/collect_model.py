@@ -391,16 +391,37 @@ def _sweep_figures(data: dict, bench: dict, config: dict, drafter_dir: str | Non
             warn(warnings, "bench", f"{bench['name']}: sweep setting {figures['label']} output differs from plain greedy on {len(different)} of {checked} "
                                     f"prompts ({where}); speculative decoding must be lossless")
     figures = {"rows": rows, "lossless_checked_in": data.get("lossless_checked_in"), "prompts": number(data.get("prompts")),
-               "best": None, "within_noise": None, "sglang_flags": None,
+               "best": None, "within_noise": None, "sglang_flags": None, "ngram_faster": None,
                "command": None, "command_lines": None, "command_error": None}
     if best and all(isinstance(best.get(key), int) for key in ("steps", "topk", "draft_tokens")):
         figures["best"] = next((r for r in rows if r["recommended"]), None) or _sweep_setting(best, bool(best.get("main_chain")), [], True, [], None, best)
+        measured = next((s for s in data.get("settings") or [] if isinstance(s, dict) and s.get("label") == best.get("label")), None)
+        figures["ngram_faster"] = _ngram_faster(measured, bench.get("ngram"))
         tied = best.get("within_noise")
         figures["within_noise"] = [str(label) for label in tied] if isinstance(tied, list) else None
         figures["sglang_flags"] = str(data.get("sglang_flags") or shlex.join(eagle3_flags(best["steps"], best["topk"], best["draft_tokens"])))
         if drafter_dir:
             figures.update(setting_command(config, str(drafter_dir), best))
     return figures
+
+
+def _ngram_faster(setting: dict | None, ngram: dict | None, shown: int = 5) -> dict[str, Any] | None:
+    """The prompts on which the n-gram outran a sweep setting: {"count", "of", "worst"} (the `shown` slowest, with both
+    acceptance lengths and the setting's tokens/s over the n-gram's), or None without per-prompt figures for both."""
+    if not setting or not ngram:
+        return None
+    theirs = {p["id"]: p for p in ngram.get("per_prompt") or []}
+    pairs = []
+    for mine in setting.get("per_prompt") or []:
+        other = theirs.get(str(mine.get("id"))) if isinstance(mine, dict) else None
+        ours_tps, their_tps = number(mine.get("tokens_per_s")) if other else None, number(other.get("tokens_per_s")) if other else None
+        if ours_tps and their_tps:
+            pairs.append({"id": str(mine.get("id")), "acceptance": number(mine.get("acceptance_length_mean")),
+                          "ngram_acceptance": other.get("acceptance_length_mean"), "ratio": ours_tps / their_tps})
+    if not pairs:
+        return None
+    slower = sorted((p for p in pairs if p["ratio"] < 1), key=lambda p: p["ratio"])
+    return {"count": len(slower), "of": len(pairs), "worst": slower[:shown]}
 
 
 def _interval(data) -> list[float] | None:
