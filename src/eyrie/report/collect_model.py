@@ -414,10 +414,12 @@ def _ngram_faster(setting: dict | None, ngram: dict | None, shown: int = 5) -> d
     pairs = []
     for mine in setting.get("per_prompt") or []:
         other = theirs.get(str(mine.get("id"))) if isinstance(mine, dict) else None
-        ours_tps, their_tps = number(mine.get("tokens_per_s")) if other else None, number(other.get("tokens_per_s")) if other else None
-        if ours_tps and their_tps:
+        if other is None:
+            continue
+        ours, its = number(mine.get("tokens_per_s")), number(other.get("tokens_per_s"))
+        if ours and its:
             pairs.append({"id": str(mine.get("id")), "acceptance": number(mine.get("acceptance_length_mean")),
-                          "ngram_acceptance": other.get("acceptance_length_mean"), "ratio": ours_tps / their_tps})
+                          "ngram_acceptance": other.get("acceptance_length_mean"), "ratio": ours / its})
     if not pairs:
         return None
     slower = sorted((p for p in pairs if p["ratio"] < 1), key=lambda p: p["ratio"])
