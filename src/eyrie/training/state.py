@@ -49,8 +49,9 @@ class RunRecord:
 def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str,
                  cache_digests: list[str | None] = ()) -> str:
     """Identity of a training run: what must match for a saved state to be resumed (every train setting but log_every and
-    fused_loss, which compute the same steps: eval_fraction too, since it decides which samples train), and the data: each shard's manifest and content digest
-    (eyrie.training.inputs.StateSource: a cache shard's, or online a token shard's, whose states the target fingerprint pins)."""
+    fused_loss, which compute the same steps: eval_fraction too, since it decides which samples train), and the data:
+    each shard's manifest and content digest (eyrie.training.inputs.StateSource: a cache shard's, or online a token
+    shard's, whose states the target fingerprint pins)."""
     digest = hashlib.sha256()
     for manifest in manifests:
         digest.update(json.dumps({k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token")}, sort_keys=True).encode())
