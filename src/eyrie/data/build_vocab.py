@@ -102,7 +102,7 @@ def _write_from_counts(counts: np.ndarray, draft_vocab_size: int, out_path: str,
     effective = draft_vocab_size
     clipped = seen < draft_vocab_size
     if clipped:
-        effective = min(draft_vocab_size, len(counts), -(-seen // ALIGNMENT) * ALIGNMENT)
+        effective = min(draft_vocab_size, -(-seen // ALIGNMENT) * ALIGNMENT)  # _check_size: draft_vocab_size <= len(counts)
         aligned = f", a multiple of {ALIGNMENT}" if effective % ALIGNMENT == 0 else f" (a multiple of {ALIGNMENT} would exceed the limit)"
         padding = f" and padded with {effective - seen} never-seen ids to {effective}{aligned}" if effective > seen else ""
         warnings.warn(
