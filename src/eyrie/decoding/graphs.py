@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
 
 import torch
@@ -28,7 +30,7 @@ class Replay:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                with no_garbage_collection(), torch.cuda.graph(graph):
                     fn()
                 self.graph = graph
             except Exception as exc:  # noqa: BLE001 -- any capture error: run eagerly, say why
@@ -41,6 +43,22 @@ class Replay:
             self.fn()
         else:
             self.graph.replay()
+
+
+@contextlib.contextmanager
+def no_garbage_collection():
+    """Python's collector off for a capture. A decoder that is done with still holds its graphs in a reference cycle
+    (its replays' partials point back at it), and a collection that runs mid-capture destroys them; destroying a graph
+    while another is being captured invalidates the capture (pytorch/pytorch#161037). On the H200 that silently sent
+    one benchmark's chain rounds down the eager path (sixteenth session). torch.cuda.graph no longer collects before
+    capturing, so nothing else stops it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def cuda_graphs_usable(device: torch.device) -> bool:
