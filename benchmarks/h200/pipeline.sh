@@ -24,7 +24,7 @@ mkdir -p "$W"; cp "$CONFIG" "$W/config.yaml"
 rm -rf "$W/.snakemake/locks"  # a call cut at its limit leaves the lock behind; only one call runs at a time
 t0=$SECONDS
 # OVERLAY="<yaml> ...": configs laid over $CONFIG in order (Snakemake merges sections key by key), e.g.
-# OVERLAY="benchmarks/h200/synthetic.yaml benchmarks/h200/short_sweep.yaml".
+# OVERLAY="benchmarks/h200/five_epochs.yaml benchmarks/h200/short_sweep.yaml".
 overlay=()
 if [ -n "${OVERLAY:-}" ]; then
     overlay=(--configfile "$W/config.yaml")
