@@ -44,9 +44,11 @@ from pathlib import Path
 import yaml
 
 # The issue's knobs no lease has measured yet (the ninth session's ablation measured the learning rate, argmax labels
-# and a 3x MLP: only the rate moved the walk); most promising first, as a cut run judges those it finished.
+# and a 3x MLP: only the rate moved the walk); most promising first, as a cut run judges those it finished. Copying
+# first: it is all of held-out ShareGPT's gap to 1.3x the n-gram (docs/PERFORMANCE.md, sixteenth session).
 DEFAULT_SETTINGS = [
     "baseline=",
+    "copy-4=train.copy_weight=4",
     "noise-0.05=train.hidden_noise=0.05",
     "vocab-16k=drafter.draft_vocab_size=16000",
     "both-norms=drafter.norm_before_fc=true,drafter.norm_output=true",
@@ -135,6 +137,7 @@ def train_setting(name: str, changes: dict, inputs: dict, directory: Path, progr
         "conditional_length": written.get("conditional_length"),
         "walked_length": written.get("walked_length"),  # the decoder's rounds replayed on held-out tokens: what serving measures
         "walked_first_turn_length": written.get("walked_first_turn_length"),  # the same over first replies (the benchmarks' prompts)
+        "copy": written.get("copy"),  # where prompt lookup would copy: the drafter's accepted drafts beside prompt lookup's
         "source": f"{written['eval_samples']} {written['source']}",
         "kept_epoch": summary["kept"]["epoch"],
         "per_epoch_length": [None if s is None else s[1] for s in scores],  # at the longest measured k
@@ -161,17 +164,25 @@ def served_score(row: dict, k: int) -> float | None:
     return None
 
 
+def copy_cell(copy: dict | None) -> str:
+    """The copy slice (eyrie.training.acceptance): accepted drafts per round where prompt lookup would copy, the drafter's
+    at its longest chain against prompt lookup's."""
+    if not copy or not copy.get("positions"):
+        return "n/a"
+    return f"{_number(copy['drafter_accepted'][-1], 2)} / {_number(copy['lookup_accepted'], 2)} ({copy['positions']})"
+
+
 def markdown(rows: list[dict], k: int) -> str:
     top = max(len(r["k"]) for r in rows)
     head = ("| setting | changes | " + " | ".join(f"k={i}" for i in range(1, top + 1))
-            + f" | walked k={k} | first turn k={k} | kept epoch | best | last | tok/s | s |")
-    lines = [head, "|" + "---|" * (top + 9)]
+            + f" | walked k={k} | first turn k={k} | copy slice, drafter / lookup | kept epoch | best | last | tok/s | s |")
+    lines = [head, "|" + "---|" * (top + 10)]
     for r in rows:
         lengths = [_number(v) for v in r["length"]] + [""] * (top - len(r["length"]))
         at = r["k"].index(k) if k in r["k"] else None
         walked = [_number(None if at is None or not r.get(key) else r[key][at]) for key in ("walked_length", "walked_first_turn_length")]
         changes = ", ".join(f"`{key}: {json.dumps(value)}`" for key, value in r["changes"].items()) or "(the run's config)"
-        lines.append(f"| {r['setting']} | {changes} | " + " | ".join(lengths) + " | " + " | ".join(walked)
+        lines.append(f"| {r['setting']} | {changes} | " + " | ".join(lengths) + " | " + " | ".join(walked) + f" | {copy_cell(r.get('copy'))}"
                      + f" | {r['kept_epoch']:g} | {_number(r['best_length'])} | {_number(r['last_length'])}"
                      + f" | {r['tokens_per_second']:.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eyrie.decoding.decode import greedy_decode, speculative_decode
-from eyrie.decoding.ngram import NgramDecoder, NgramSession, lookup
+from eyrie.decoding.ngram import NgramDecoder, NgramSession, lookup, lookup_runs
 from eyrie.decoding.static import StaticLlama
 from eyrie.target.aux_layers import AuxLayerError, default_aux_layer_ids
 from eyrie.target.chat_template import render
@@ -190,3 +190,21 @@ def test_ngram_graph_replays_equal_eager_runs():
         assert a.tokens == b.tokens == greedy_decode(eager, prompt, 60, set()).tokens
         assert a.acceptance_lengths == b.acceptance_lengths and sum(b.accepted_per_position) > 0
     assert graphed.label == "static-cudagraph"
+
+
+@pytest.mark.parametrize("vocab, length, seed", [(2, 60, 0), (3, 80, 1), (5, 120, 2), (50, 200, 3)])
+def test_lookup_runs_equal_lookup_at_every_position(vocab, length, seed):
+    """The one-pass runs match what `lookup` proposes at each position, loops that copy their own proposals included."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (length,), generator=generator).tolist()
+    tokens += tokens[-7:] * 4  # a loop of period 7: proposals run past the present
+    for k in (1, 4, 8):
+        runs = lookup_runs(tokens, k)
+        for e in range(len(tokens)):
+            proposed = lookup(tokens[: e + 1], k) or []
+            expected = 0
+            for guess, truth in zip(proposed, tokens[e + 1 :]):
+                if guess != truth:
+                    break
+                expected += 1
+            assert runs[e] == expected, (k, e)

@@ -1,5 +1,6 @@
 """The training recipe's options: keep the best epoch (train.keep_best), noise on the cached states (train.hidden_noise),
-the learning-rate schedule (train.lr_schedule) and the EAGLE-3.1 norms in training (drafter.norm_before_fc, norm_output)."""
+the learning-rate schedule (train.lr_schedule), labels weighted where prompt lookup would draft them (train.copy_weight) and the
+EAGLE-3.1 norms in training (drafter.norm_before_fc, norm_output)."""
 
 from __future__ import annotations
 
@@ -207,6 +208,75 @@ def test_hard_label_weight_one_trains_on_the_targets_argmax_alone(tmp_path):
     soft, hard = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("soft", "hard"))
     assert not torch.equal(soft["fc.weight"], hard["fc.weight"])
     assert json.loads((tmp_path / "hard" / "config.json").read_text())["eyrie"]["train"]["hard_label_weight"] == 1.0
+
+
+# --------------------------------------------------------------------------- train.copy_weight
+
+
+def _looping_batch(B=2, L=24, H=32, V=120, seed=6):
+    """A batch whose rows repeat themselves, so that prompt lookup drafts many of their labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, L), generator=g)
+    ids[:, 12:] = ids[:, 2:14]  # each row quotes its own start
+    lengths = torch.tensor([L, L - 3])
+    return {"aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g), "input_ids": ids,
+            "loss_mask": torch.arange(L)[None, :].expand(B, L) >= 4, "lengths": lengths, "tokens": int(lengths.sum())}
+
+
+def test_copy_weight_scales_the_label_rows_prompt_lookup_would_draft():
+    from eyrie.training.copyable import copyable_positions
+    from eyrie.training.objective import needed_targets, target_distribution, weight_copyable_labels
+
+    batch = _looping_batch()
+    g = torch.Generator().manual_seed(2)
+    head, draft_ids = torch.randn(120, 32, generator=g), torch.arange(120)
+    needed = needed_targets(batch["loss_mask"], batch["lengths"])
+    probs, row, _ = target_distribution(batch["final"], needed, head, draft_ids, torch.ones(120, dtype=torch.bool))
+    weighted = weight_copyable_labels(probs.clone(), row, batch["input_ids"], batch["lengths"], 120, 3.0)
+    copyable = copyable_positions(batch["input_ids"], batch["lengths"], 120) & (row >= 0)
+    assert 5 < int(copyable.sum()) < int((row >= 0).sum())  # both kinds of label occur
+    scaled = torch.zeros(probs.shape[0], dtype=torch.bool)
+    scaled[row[copyable]] = True
+    assert torch.allclose(weighted[scaled], 3.0 * probs[scaled]) and torch.equal(weighted[~scaled], probs[~scaled])
+    assert weight_copyable_labels(probs, row, batch["input_ids"], batch["lengths"], 120, 1.0) is probs  # 1: untouched
+
+
+def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp_path):
+    """The step's loss is sum_j 0.8^j * sum over step j's positions of w(label) * CE(label) / count_j, computed here from the
+    drafter's own logits; a run with it trains other weights than without, and records the setting."""
+    from training.test_train import tiny_model
+
+    from eyrie.training.copyable import copyable_positions
+    from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, ttt_hidden
+    from eyrie.training.optimizer import make_optimizer
+
+    batch = _looping_batch()
+    lengths, w = batch["lengths"], 4.0
+    head = torch.randn(120, 32, generator=torch.Generator().manual_seed(3))
+    model = tiny_model(Vd=120)
+    draft_ids = torch.arange(120) + model.d2t
+    copyable = copyable_positions(batch["input_ids"], lengths, 120)
+    with torch.no_grad():
+        probs, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), head, draft_ids, model.t2d)
+        targets = [step_targets(j, row, arg, batch["loss_mask"], lengths) for j in range(3)]
+        outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets])
+        expected = 0.0
+        for j, (out, (valid, rows, _)) in enumerate(zip(outs, targets)):
+            label_weight = torch.where(torch.roll(copyable, -(1 + j), dims=1), w, 1.0)[valid]  # the label's row sits at t + 1 + j
+            cross_entropy = -(probs[rows[valid]] * torch.log_softmax(model.head(out).float(), -1)).sum(-1)
+            expected += 0.8**j * (label_weight * cross_entropy).sum().item() / int(valid.sum())
+    objective = TTTObjective(model, 3, 0.8, copy_weight=w)
+    result = train_step(objective, make_optimizer(model, 1e-2, 0.0), batch, target_lm_head=head, draft_ids=draft_ids, t2d=model.t2d,
+                        max_grad_norm=1e6, use_bf16=False)
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+    samples = [(ids + ids[2:], [0] * 2 + [1] * (2 * len(ids) - 4)) for ids, _ in random_samples(**SAMPLES)]  # replies that quote
+    inputs = tiny_setup(tmp_path, samples=samples, V=120)
+    run(tmp_path, inputs, "plain", train={**TRAIN, "epochs": 1})
+    run(tmp_path, inputs, "copying", train={**TRAIN, "epochs": 1, "copy_weight": 4.0})
+    plain, copying = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "copying"))
+    assert not torch.equal(plain["fc.weight"], copying["fc.weight"])
+    assert json.loads((tmp_path / "copying" / "config.json").read_text())["eyrie"]["train"]["copy_weight"] == 4.0
 
 
 # --------------------------------------------------------------------------- train.hidden_noise

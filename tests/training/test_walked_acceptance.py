@@ -13,7 +13,24 @@ from eyrie.decoding.decode import speculative_decode
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
 from eyrie.target.states import TargetStates
-from eyrie.training.acceptance import EMITTED, FIRST_EMITTED, FIRST_ROUNDS, ROUNDS, ROWS, acceptance_summary, batch_counts, first_reply, walk_rounds
+from eyrie.training.acceptance import (
+    COPY_DRAFTER,
+    COPY_LOOKUP,
+    COPY_MIN_DRAFTS,
+    COPY_POSITIONS,
+    EMITTED,
+    FIRST_EMITTED,
+    FIRST_ROUNDS,
+    LOOKUP_K,
+    ROUNDS,
+    ROWS,
+    acceptance_line,
+    acceptance_summary,
+    batch_counts,
+    copy_slice,
+    first_reply,
+    walk_rounds,
+)
 from eyrie.training.inputs import padded_batch
 
 
@@ -145,3 +162,57 @@ def test_the_first_turn_walk_of_a_two_turn_sample_is_the_walk_of_its_first_reply
     assert torch.equal(both[FIRST_ROUNDS], alone[ROUNDS]) and torch.equal(both[FIRST_EMITTED], alone[EMITTED])
     assert torch.equal(both[ROUNDS], alone[ROUNDS] + later[ROUNDS]) and torch.equal(both[EMITTED], alone[EMITTED] + later[EMITTED])
     assert int(later[ROUNDS, k - 1]) > 0 and torch.equal(later[FIRST_ROUNDS], later[ROUNDS])  # one reply: its first turn is all of it
+
+
+def test_the_copy_slice_holds_the_round_starts_where_prompt_lookup_copies_and_stops_at_the_reply():
+    """A reply that repeats its prompt: the slice counts each round start where prompt lookup would have at least
+    COPY_MIN_DRAFTS drafts accepted, with both sides' accepted drafts; lookup's stop where the assistant's tokens do."""
+    from eyrie.decoding.ngram import lookup
+
+    prompt = [7, 1, 2, 3, 4, 5, 6, 8]
+    reply = [1, 2, 3, 4, 5, 6, 9, 9]
+    ids = prompt + reply + [1, 2, 3]  # a user turn after the reply: prompt lookup would copy on into it
+    mask = [False] * len(prompt) + [True] * len(reply) + [False] * 3
+    starts = [mask[t + 1] and mask[t + 2] for t in range(len(ids) - 2)]
+    runs = [t % 3 for t in range(len(ids))]  # the drafter's consecutive hits, made up
+    positions, drafter, lookup_sum = copy_slice(runs, starts, ids, mask, steps=4)
+
+    expected_positions, expected_lookup, expected_drafter = 0, 0, [0] * 4
+    for t, start in enumerate(starts):
+        accepted = 0
+        for guess, truth, assistant in zip(lookup(ids[: t + 2], LOOKUP_K) or [], ids[t + 2 :], mask[t + 2 :]):
+            if guess != truth or not assistant:
+                break
+            accepted += 1
+        if start and accepted >= COPY_MIN_DRAFTS:
+            expected_positions += 1
+            expected_lookup += accepted
+            expected_drafter = [d + min(k, runs[t]) for d, k in zip(expected_drafter, range(1, 5))]
+    assert expected_positions >= 2  # the reply's copy of the prompt is in the slice
+    assert (positions, drafter, lookup_sum) == (expected_positions, expected_drafter, expected_lookup)
+    assert lookup_sum <= positions * (len(reply) - 1)  # never counted past the reply's end
+
+
+def test_the_copy_slice_reaches_the_summary_and_the_progress_line():
+    model = tiny_target()
+    drafter = random_drafter(model)
+    k = 3
+    prompt = [1, 2, 3, 0, 0, 2, 1, 3]
+    reply = prompt * 3  # the reply repeats the prompt: prompt lookup copies it whole
+    counts = counts_on(model, drafter, prompt + reply, [(len(prompt), len(prompt) + len(reply))], k)
+    positions = int(counts[COPY_POSITIONS, 0])
+    assert positions > 10
+    assert all(int(counts[COPY_DRAFTER, j]) <= positions * (j + 1) for j in range(k))
+    summary = acceptance_summary(counts.tolist(), source="held-out cache samples", samples=1)
+    copy = summary["copy"]
+    assert copy["positions"] == positions and copy["lookup_accepted"] == int(counts[COPY_LOOKUP, 0]) / positions
+    assert copy["lookup_accepted"] >= COPY_MIN_DRAFTS and len(copy["drafter_accepted"]) == k
+    line = acceptance_line({**summary, "epoch": 1})
+    assert f"where prompt lookup copies >= {COPY_MIN_DRAFTS} ({positions} round starts)" in line
+
+
+def test_a_summary_of_counts_without_the_copy_rows_reports_no_copy_slice():
+    """Counts written before the copy slice existed (8 rows) still summarise, with an empty slice and no words for it."""
+    summary = acceptance_summary([[1, 1]] * 8, source="held-out cache samples", samples=1)
+    assert summary["copy"]["positions"] == 0 and summary["copy"]["lookup_accepted"] is None
+    assert "prompt lookup copies" not in acceptance_line({**summary, "epoch": 1})

@@ -51,6 +51,32 @@ def lookup(sequence: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: i
     return None
 
 
+def lookup_runs(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
+    """runs[e]: how many of `lookup(tokens[:e + 1], k)`'s proposals match tokens[e + 1:] in a row (0 with no match),
+    for every e at once in one pass. Training's evaluation asks this at every position of its held-out samples
+    (eyrie.training.acceptance), where calling `lookup` per position would cost a scan of the sequence each time.
+
+    Per n, the latest end of each n-gram seen so far is kept, so the most recent earlier occurrence is one dict
+    lookup. A proposal that runs past the present copies the proposal itself; while every earlier proposal matched,
+    that equals tokens[j + 1 + i], so the run compares tokens with tokens.
+    """
+    latest: dict[int, dict[tuple, int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+    runs = [0] * len(tokens)
+    for e in range(len(tokens)):
+        for n in range(min(max_ngram, e), min_ngram - 1, -1):  # an earlier n-gram needs n - 1 <= its end < e
+            end = latest[n].get(tuple(tokens[e - n + 1 : e + 1]))
+            if end is not None:
+                run = 0
+                while run < k and e + 1 + run < len(tokens) and tokens[end + 1 + run] == tokens[e + 1 + run]:
+                    run += 1
+                runs[e] = run
+                break
+        for n in latest:  # the n-grams ending at e, for the positions after it
+            if e + 1 >= n:
+                latest[n][tuple(tokens[e - n + 1 : e + 1])] = e
+    return runs
+
+
 class NgramSession:
     """Prompt-lookup drafting over this session's own copy of the sequence, kept in step with `extend`."""
 

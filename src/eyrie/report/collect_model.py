@@ -231,9 +231,22 @@ def drafter_section(path: str | None, config: dict, bench: dict, warnings: list)
         "final": [{"step": j, "accuracy": accuracy[j] if j < len(accuracy) else None, "loss": losses[j] if j < len(losses) else None} for j in range(ttt_steps or 0)],
         "final_source": "config.json eyrie.metrics (about the last epoch)" if metrics.get("accuracy_per_step") else "the last training-log entry",
         "log": log,
+        "copying": _copy_slice(own.get("simulated_acceptance")),  # not "copy": templates would read dict.copy
     }
     figures.update(serve_command(config, str(directory), bench, warnings))
     return figures
+
+
+def _copy_slice(simulated) -> dict[str, Any] | None:
+    """Training's copy slice (eyrie.training.acceptance): where prompt lookup would copy, the written drafter's accepted
+    drafts at its longest chain beside prompt lookup's; None when not recorded or empty."""
+    copy = simulated.get("copy") if isinstance(simulated, dict) else None
+    if not isinstance(copy, dict) or not number(copy.get("positions")) or not isinstance(copy.get("drafter_accepted"), list):
+        return None
+    drafter = copy["drafter_accepted"]
+    return {"positions": number(copy["positions"]), "k": len(drafter), "drafter": number(drafter[-1]) if drafter else None,
+            "lookup": number(copy.get("lookup_accepted")), "lookup_k": number(copy.get("lookup_k")),
+            "min_lookup_drafts": number(copy.get("min_lookup_drafts")), "eval_samples": number(simulated.get("eval_samples"))}
 
 
 def _training_log(path: Path, warnings: list, config: dict) -> dict[str, Any] | None:

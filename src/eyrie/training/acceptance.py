@@ -30,6 +30,12 @@ served 1.69 on first turns and 2.01 on second turns of the same 16 prompts, each
 (benchmarks/parity_probe.py --second-turn). So the walk is also counted over each sample's first assistant reply
 alone (walked_first_turn_length), the prediction the parity gate compares a benchmark with.
 
+Where prompt lookup would copy (the copy slice): at each round start t where prompt lookup (the benchmark's n-gram
+baseline at k = 8) would have its first COPY_MIN_DRAFTS drafts or more accepted, the drafter's accepted drafts
+min(k, run) beside prompt lookup's. A drafter that learned to copy from its context accepts about as much there; on the
+H200 run's drafter served, 2-4 against prompt lookup's 8-9 (docs/PERFORMANCE.md, sixteenth session), and that gap was
+what held-out ShareGPT's ratio over the n-gram lacked.
+
 Counts are integers summed over batches (all-reduced over data-parallel ranks, each rank taking
 whole batches), so one rank and several give the same numbers.
 """
@@ -40,12 +46,17 @@ import time
 
 import torch
 
+from eyrie.decoding.ngram import lookup_runs
 from eyrie.training.objective import needed_targets, shift_left, step_targets, target_distribution, ttt_hidden
 
-HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED, FIRST_ROUNDS, FIRST_EMITTED = range(8)  # rows of the count tensor,
-# one column per TTT step (ROUNDS and EMITTED: column k - 1 holds the walked chain of k drafts; FIRST_*: the same over
-# each sample's first assistant reply)
-ROWS = ("hits", "count", "chain_hits", "chain_reach", "rounds", "emitted", "first_rounds", "first_emitted")
+HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED, FIRST_ROUNDS, FIRST_EMITTED, COPY_POSITIONS, COPY_DRAFTER, COPY_LOOKUP = range(11)
+# rows of the count tensor, one column per TTT step (ROUNDS and EMITTED: column k - 1 holds the walked chain of k
+# drafts; FIRST_*: the same over each sample's first assistant reply; COPY_*: the copy slice, its drafter column k - 1
+# for a chain of k)
+ROWS = ("hits", "count", "chain_hits", "chain_reach", "rounds", "emitted", "first_rounds", "first_emitted",
+        "copy_positions", "copy_drafter", "copy_lookup")
+LOOKUP_K = 8  # prompt lookup's drafts per round: the n-gram baseline's fastest on all three H200 benchmarks
+COPY_MIN_DRAFTS = 3  # a round start belongs to the copy slice when prompt lookup would have this many drafts accepted
 
 
 def acceptance_lengths(accuracy: list[float | None]) -> list[float | None]:
@@ -85,13 +96,39 @@ def batch_counts(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: i
     chains' rounds and emitted tokens, over every turn and over first replies (see the module docstring)."""
     counts, runs, starts, first_starts = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d, steps=steps,
                                                         attention=attention, use_bf16=use_bf16)
-    for sample_runs, sample_starts, sample_first in zip(runs.tolist(), starts.tolist(), first_starts.tolist()):
+    rows = zip(runs.tolist(), starts.tolist(), first_starts.tolist(), batch["input_ids"].tolist(), batch["loss_mask"].tolist(),
+               batch["lengths"].tolist())
+    for sample_runs, sample_starts, sample_first, ids, mask, length in rows:
         for k in range(1, steps + 1):
             for rounds_row, emitted_row, where in ((ROUNDS, EMITTED, sample_starts), (FIRST_ROUNDS, FIRST_EMITTED, sample_first)):
                 rounds, emitted = walk_rounds(sample_runs, where, k)
                 counts[rounds_row, k - 1] += rounds
                 counts[emitted_row, k - 1] += emitted
+        positions, drafter, lookup = copy_slice(sample_runs, sample_starts, ids[:length], mask[:length], steps)
+        counts[COPY_POSITIONS] += positions
+        counts[COPY_DRAFTER] += torch.tensor(drafter, dtype=counts.dtype, device=counts.device)
+        counts[COPY_LOOKUP] += lookup
     return counts
+
+
+def copy_slice(runs: list[int], starts: list[bool], ids: list[int], mask: list[bool], steps: int) -> tuple[int, list[int], int]:
+    """One sample's copy slice: (round starts in it, the drafter's accepted drafts there summed for chains of
+    k = 1..steps, prompt lookup's summed). A round at t knows tokens up to t + 1 (the bonus token) and drafts t + 2 on;
+    prompt lookup's accepted drafts stop where the assistant's tokens do, as the drafter's do."""
+    proposed_runs = lookup_runs(ids, LOOKUP_K)
+    positions, lookup, drafter = 0, 0, [0] * steps
+    for t, start in enumerate(starts[: len(ids) - 2]):
+        if not start:
+            continue
+        accepted = 0
+        while accepted < proposed_runs[t + 1] and mask[t + 2 + accepted]:
+            accepted += 1
+        if accepted >= COPY_MIN_DRAFTS:
+            positions += 1
+            lookup += accepted
+            for k in range(1, steps + 1):
+                drafter[k - 1] += min(k, runs[t])
+    return positions, drafter, lookup
 
 
 @torch.no_grad()
@@ -189,6 +226,7 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
     none = [0] * len(hits)
     rounds, emitted = totals[4:6] if len(totals) >= 6 else (none, none)
     first_rounds, first_emitted = totals[6:8] if len(totals) >= 8 else (none, none)
+    copy_positions, copy_drafter, copy_lookup = totals[8:11] if len(totals) >= 11 else (none, none, none)
 
     def ratio(a, b):
         return a / b if b else None
@@ -206,10 +244,26 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
         "walked_first_turn_length": [ratio(e, r) for e, r in zip(first_emitted, first_rounds)],
         "walked_first_turn_rounds": list(first_rounds),
         "positions_per_step": list(count),
+        "copy": {
+            "positions": copy_positions[0],
+            "drafter_accepted": [ratio(d, copy_positions[0]) for d in copy_drafter],  # drafts accepted per round, chains of k = 1..
+            "lookup_accepted": ratio(copy_lookup[0], copy_positions[0]),
+            "lookup_k": LOOKUP_K,
+            "min_lookup_drafts": COPY_MIN_DRAFTS,
+        },
         "eval_samples": samples,
         "source": source,
         "seconds": seconds,
     }
+
+
+def copy_line(copy: dict | None) -> str:
+    """The progress line's words on the copy slice; empty when it has no positions."""
+    if not copy or not copy["positions"]:
+        return ""
+    k = len(copy["drafter_accepted"])
+    return (f"; where prompt lookup copies >= {copy['min_lookup_drafts']} ({copy['positions']} round starts), drafts accepted: "
+            f"drafter {copy['drafter_accepted'][-1]:.2f} at k={k}, prompt lookup {copy['lookup_accepted']:.2f} at k={copy['lookup_k']}")
 
 
 def acceptance_line(result: dict) -> str:
@@ -224,6 +278,7 @@ def acceptance_line(result: dict) -> str:
         f"walked over first replies {figures(result.get('walked_first_turn_length') or [], 2)}; "
         f"step accuracy {figures(result['per_step_accuracy'], 3)} "
         f"({result['eval_samples']} {result['source']})"
+        + copy_line(result.get("copy"))
         + "".join(f"; {name} alone, walked over first replies {figures(d.get('walked_first_turn_length') or [], 2)} ({d['eval_samples']})"
                   for name, d in (result.get("by_dataset") or {}).items())
     )

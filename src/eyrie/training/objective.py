@@ -16,7 +16,8 @@ chains j drafts after position t, so the training forward at every step equals `
 (loss_mask) and the target's full-vocabulary argmax at t+1+j lies in the draft vocabulary.
 
 Loss per step: soft cross-entropy against the target distribution restricted (renormalised) to
-the draft vocabulary, optionally mixed with a one-hot on its argmax (train.hard_label_weight);
+the draft vocabulary, optionally mixed with a one-hot on its argmax (train.hard_label_weight), and
+optionally weighted where prompt lookup would have drafted the label (train.copy_weight);
 total = sum_j decay^j * loss_j.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from eyrie.drafter.model import Eagle3Drafter
+from eyrie.training.copyable import copyable_positions
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
 
 
@@ -294,12 +296,14 @@ class TTTObjective(torch.nn.Module):
     """
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
-                 recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False):
+                 recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False,
+                 copy_weight: float = 1.0):
         super().__init__()
         self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
         self.drafter = drafter
         self.steps, self.decay = steps, decay
         self.hard_label_weight = hard_label_weight  # train_step's labels: eyrie.training.objective.mix_hard_labels
+        self.copy_weight = copy_weight  # train_step's labels: eyrie.training.objective.weight_copyable_labels
         self.attention, self.chunked_loss, self.recompute_mlp = attention, chunked_loss, recompute_mlp
         if compile:
             from eyrie.training.compiled_layers import CompiledLayers
@@ -327,6 +331,22 @@ class TTTObjective(torch.nn.Module):
         return loss * weight, torch.stack(stats)
 
 
+def weight_copyable_labels(probs: torch.Tensor, row: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int,
+                           weight: float) -> torch.Tensor:
+    """probs [N, Vd] with the rows of copyable labels (eyrie.training.copyable) times weight, in place; no host sync.
+
+    The soft cross-entropy of a row is sum(p) * logsumexp(z) - sum(p * z), so a row scaled by w adds w times its
+    loss and its gradient: the label weighs w in every TTT step that predicts it, and the argmax (accuracy) is unchanged.
+    """
+    if weight == 1.0:
+        return probs
+    copyable = copyable_positions(input_ids, lengths, vocab_size) & (row >= 0)
+    N = probs.shape[0]
+    scale = torch.ones(N + 1, dtype=probs.dtype, device=probs.device)  # the last entry takes every position not copyable
+    scale.scatter_(0, torch.where(copyable, row, N).flatten(), weight)
+    return probs.mul_(scale[:N, None])
+
+
 def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool) -> dict:
     """One optimizer step on this rank's rows of the step's batch; the same code on one rank or many.
 
@@ -344,6 +364,7 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
     target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d,
                                                                hard_label_weight=inner.hard_label_weight)
+    weight_copyable_labels(target_probs, target_row, batch["input_ids"], lengths, target_lm_head.shape[0], inner.copy_weight)
     targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(steps)]
     counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
     if distributed:

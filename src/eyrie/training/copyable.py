@@ -1,0 +1,51 @@
+"""Which labels prompt lookup would have drafted: the positions where copying from the context is right.
+
+copyable[b, s] is True when prompt lookup (eyrie.decoding.ngram.lookup, the benchmark's n-gram baseline), knowing
+row b's tokens up to s, proposes token s + 1 as its first draft: the most recent earlier occurrence of the longest
+suffix n-gram (n = 3, 2, 1) ending at s was followed by that token. train.copy_weight weights the loss of those labels.
+
+The drafter decoded on the H200 missed exactly such tokens: in a reply that repeats one sentence it failed at the
+same places every time the sentence came round, where prompt lookup accepted 8-9 a round (docs/PERFORMANCE.md,
+sixteenth session). A single drafter layer can copy (a key sees its position's token through the target's features,
+a value the next token through the input embedding); weighting these labels asks it to.
+
+On the device, without a host loop: each n-gram becomes one exact int64 key (its tokens' ids in base 2^bits and the
+row), and a stable sort puts each position right after the most recent earlier position with the same key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_NGRAM = 3  # eyrie.decoding.ngram's: the benchmark's prompt lookup
+
+
+def copyable_positions(input_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] bool: prompt lookup over row b's tokens up to s would draft token s + 1 first (s + 1 < lengths[b])."""
+    B, L = input_ids.shape
+    bits = max(1, (vocab_size - 1).bit_length())
+    row_bits = max(1, (B - 1).bit_length())
+    longest = min(MAX_NGRAM, (62 - row_bits) // bits)  # keys must fit an int64: a huge vocabulary drops to shorter n
+    positions = torch.arange(L, device=input_ids.device)
+    inside = positions[None, :] < lengths[:, None]
+    chosen = torch.full((B, L), -1, dtype=torch.long, device=input_ids.device)  # the matched n-gram's end, longest n first
+    for n in range(longest, 0, -1):
+        key = torch.zeros((B, L), dtype=torch.long, device=input_ids.device)
+        for i in range(n):  # the n-gram ending at s: tokens s - n + 1 .. s
+            key = (key << bits) | torch.roll(input_ids, n - 1 - i, dims=1)
+        key = key | (torch.arange(B, device=input_ids.device)[:, None] << (n * bits))
+        valid = inside & (positions[None, :] >= n - 1)
+        # Invalid positions get keys of their own (negative, distinct) so they match nothing.
+        key = torch.where(valid, key, -1 - (torch.arange(B * L, device=input_ids.device).view(B, L)))
+        order = torch.sort(key.flatten(), stable=True).indices  # equal keys stay in position order
+        sorted_key = key.flatten()[order]
+        previous = torch.full_like(order, -1)
+        same = sorted_key[1:] == sorted_key[:-1]
+        previous[1:] = torch.where(same, order[:-1], previous[1:])
+        earlier = torch.full((B * L,), -1, dtype=torch.long, device=input_ids.device)
+        earlier[order] = previous
+        earlier = torch.where(earlier >= 0, earlier % L, earlier).view(B, L)  # flat index -> position in its row
+        chosen = torch.where((chosen < 0) & valid, earlier, chosen)
+    following = input_ids.gather(1, (chosen + 1).clamp(min=0, max=L - 1))
+    next_token = torch.roll(input_ids, -1, dims=1)
+    return (chosen >= 0) & (positions[None, :] + 1 < lengths[:, None]) & (following == next_token)
