@@ -58,7 +58,7 @@ def lookup_runs(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram
 
     Per n, the latest end of each n-gram seen so far is kept, so the most recent earlier occurrence is one dict
     lookup. A proposal that runs past the present copies the proposal itself; while every earlier proposal matched,
-    that equals tokens[j + 1 + i], so the run compares tokens with tokens.
+    that equals tokens[end + 1 + i], so the run compares tokens with tokens.
     """
     latest: dict[int, dict[tuple, int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
     runs = [0] * len(tokens)
