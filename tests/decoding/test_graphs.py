@@ -80,9 +80,29 @@ def test_a_failed_capture_turns_the_collector_back_on_and_runs_eagerly(fake_cuda
 
     monkeypatch.setattr(torch.cuda, "graph", failing_capture)
     failures, calls = [], []
-    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+    with pytest.warns(UserWarning, match="CUDA graph capture failed 2 times"):
         replay = graphs.Replay(lambda: calls.append(1), use_graph=True, failures=failures)
     assert gc.isenabled()
     assert replay.graph is None and failures == ["RuntimeError: operation failed due to a previous error during capture"]
     replay()
     assert len(calls) == graphs.WARMUP_REPLAYS + 1
+
+
+def test_a_capture_invalidated_once_is_taken_again_and_replays_as_a_graph(fake_cuda, collector_restored, monkeypatch, recwarn):
+    """What the H200 saw (a graph freed mid-capture) fails one capture; the second, after a collection, holds."""
+    attempts = []
+
+    @contextlib.contextmanager
+    def flaky_capture(graph):
+        attempts.append(graph)
+        if len(attempts) == 1:
+            raise RuntimeError("operation failed due to a previous error during capture")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", flaky_capture)
+    failures, calls = [], []
+    replay = graphs.Replay(lambda: calls.append(1), use_graph=True, failures=failures)
+    assert len(attempts) == 2 and replay.graph is attempts[1] and failures == []
+    assert not [w for w in recwarn if "CUDA graph capture failed" in str(w.message)]
+    replay()
+    assert replay.graph.replays == 1

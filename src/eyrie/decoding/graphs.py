@@ -9,14 +9,16 @@ import warnings
 import torch
 
 WARMUP_REPLAYS = 2  # eager runs on a side stream before capture, as torch.cuda.graphs requires
+CAPTURE_ATTEMPTS = 2  # a capture invalidated by something outside fn (another graph freed, say) is tried once more
 
 
 class Replay:
     """fn() (on static buffers) as a CUDA graph when asked for, else plain calls: the CPU fallback.
 
-    A capture that fails (an op that syncs, a torch version that refuses something) falls back to
-    plain calls with a warning instead of failing the benchmark: slower, still correct, and the
-    reason goes to `failures` (the owning decoder's list), so its label stops saying "cudagraph".
+    A capture that fails is tried once more after a collection; one that fails again (an op that
+    syncs, a torch version that refuses something) falls back to plain calls with a warning instead
+    of failing the benchmark: slower, still correct, and the reason goes to `failures` (the owning
+    decoder's list), so its label stops saying "cudagraph".
     """
 
     def __init__(self, fn, use_graph: bool, failures: list[str]):
@@ -28,15 +30,21 @@ class Replay:
                 for _ in range(WARMUP_REPLAYS):
                     fn()
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with no_garbage_collection(), torch.cuda.graph(graph):
-                    fn()
-                self.graph = graph
-            except Exception as exc:  # noqa: BLE001 -- any capture error: run eagerly, say why
-                torch.cuda.synchronize()
-                failures.append(f"{type(exc).__name__}: {exc}"[:300])
-                warnings.warn(f"CUDA graph capture failed, running eagerly: {failures[-1]}")
+            for attempt in range(CAPTURE_ATTEMPTS):
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with no_garbage_collection(), torch.cuda.graph(graph):
+                        fn()
+                    self.graph = graph
+                    break
+                except Exception as exc:  # noqa: BLE001 -- any capture error: try again once, then run eagerly, say why
+                    torch.cuda.synchronize()
+                    reason = f"{type(exc).__name__}: {exc}"[:300]
+                    if attempt + 1 < CAPTURE_ATTEMPTS:
+                        gc.collect()  # outside the capture: a stray graph freed now cannot invalidate the next one
+                        continue
+                    failures.append(reason)
+                    warnings.warn(f"CUDA graph capture failed {CAPTURE_ATTEMPTS} times, running eagerly: {reason}")
 
     def __call__(self) -> None:
         if self.graph is None:
