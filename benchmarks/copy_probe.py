@@ -10,6 +10,12 @@ same position of the same greedy text.
 A drafter trained on the H200 was checked against the bf16 conversion of its target, and a CPU conversion is float32,
 so this mode loads both without the benchmark's fingerprint check: it is a probe, not a benchmark.
 
+Steps mode (the same arguments): each prompt's greedy reply teacher-forced through the drafter's TTT steps, as
+training's evaluation walks it, with each step's accuracy split between the labels prompt lookup would draft from the
+tokens before them and the rest. A drafter that copies is right on nearly every copyable label at every step.
+
+    python benchmarks/copy_probe.py steps --target ... --drafter ... --heldout ... --ids 1giY8Cd_62 --steps 7
+
 What-if mode (a benchmark's JSON): the sweep setting's tokens/s over the n-gram's, had the drafter accepted at least
 what prompt lookup accepted on each prompt (capped), each prompt's seconds per round kept.
 
@@ -36,21 +42,34 @@ def lookup_accepts(sequence: list[int], position: int, k: int = 8) -> int:
     return accepted + 1
 
 
-def decode(args) -> None:
-    import pyarrow.parquet as pq
+def _models(args):
+    """(target, tokenizer, drafter) in float32 on the CPU, without the benchmark's fingerprint check (see above)."""
     import torch
 
-    from eyrie.bench.benchmark import first_turn, stop_ids_of
-    from eyrie.decoding.decode import speculative_decode
     from eyrie.drafter.checkpoint import load_drafter
-    from eyrie.target.chat_template import render
     from eyrie.target.model import load_target
 
     model, tokenizer = load_target(args.target, dtype="float32", device="cpu", trust_remote_code=False)
     drafter = load_drafter(args.drafter, model.get_input_embeddings().weight.detach()).to(dtype=torch.float32).eval()
+    return model, tokenizer, drafter
+
+
+def render_prompt(tokenizer, messages) -> str:
+    from eyrie.target.chat_template import render
+
+    return render(tokenizer, messages, add_generation_prompt=True)
+
+
+def decode(args) -> None:
+    import pyarrow.parquet as pq
+
+    from eyrie.bench.benchmark import first_turn, stop_ids_of
+    from eyrie.decoding.decode import speculative_decode
+
+    model, tokenizer, drafter = _models(args)
     prompts = {row["id"]: row for row in pq.read_table(args.heldout).to_pylist()}
     for prompt_id in args.ids.split(","):
-        prompt_ids = tokenizer(render(tokenizer, first_turn(prompts[prompt_id]), add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(render_prompt(tokenizer, first_turn(prompts[prompt_id])), add_special_tokens=False)["input_ids"]
         result = speculative_decode(model, drafter, prompt_ids, args.max_new_tokens, stop_ids_of(model, tokenizer), args.steps)
         sequence, position, pairs = prompt_ids + result.tokens, len(prompt_ids), []
         for accepted in result.acceptance_lengths:
@@ -64,6 +83,49 @@ def decode(args) -> None:
                   f"{sum(a for a, _ in copying) / len(copying):.2f}, prompt lookup {sum(n for _, n in copying) / len(copying):.2f}")
         print("  per round, drafter/lookup:", " ".join(f"{a}/{n}" for a, n in pairs))
         print("  reply:", repr(tokenizer.decode(result.tokens)[:400]))
+
+
+def steps(args) -> None:
+    import pyarrow.parquet as pq
+    import torch
+
+    from eyrie.bench.benchmark import first_turn, stop_ids_of
+    from eyrie.decoding.decode import greedy_decode
+    from eyrie.decoding.ngram import lookup_runs
+    from eyrie.target.aux_layers import capture_indices
+    from eyrie.target.states import TargetStates
+    from eyrie.training.inputs import padded_batch
+    from eyrie.training.objective import needed_targets, step_targets, target_distribution, ttt_hidden
+
+    model, tokenizer, drafter = _models(args)
+    prompts = {row["id"]: row for row in pq.read_table(args.heldout).to_pylist()}
+    capture = capture_indices(list(drafter.shape.aux_layer_ids), model.config.num_hidden_layers)
+    draft_ids = torch.nonzero(drafter.t2d).squeeze(1)
+    for prompt_id in args.ids.split(","):
+        prompt_ids = tokenizer(render_prompt(tokenizer, first_turn(prompts[prompt_id])), add_special_tokens=False)["input_ids"]
+        reply = greedy_decode(model, prompt_ids, args.max_new_tokens, stop_ids_of(model, tokenizer)).tokens
+        ids = torch.tensor([prompt_ids + reply])
+        with torch.no_grad(), TargetStates(model, capture) as target:
+            aux, final = target.states(ids, torch.arange(ids.shape[1]))
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[0, len(prompt_ids):] = True
+        batch = padded_batch(aux[None], final[None], ids, mask, torch.tensor([ids.shape[1]]), "cpu")
+        runs = lookup_runs(ids[0].tolist(), 1)  # runs[e] = 1: prompt lookup, knowing tokens up to e, drafts token e + 1
+        print(f"{prompt_id}: {len(prompt_ids)} prompt tokens, {len(reply)} new; per TTT step, accuracy on labels prompt lookup would draft / the rest")
+        with torch.no_grad():
+            _, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], batch["lengths"]), model.lm_head.weight,
+                                              draft_ids, drafter.t2d)
+            outs = ttt_hidden(drafter, batch["aux"], batch["input_ids"], batch["lengths"], args.steps, attention="eager")
+            for j, out in enumerate(outs):
+                valid, _, target_arg = step_targets(j, row, arg, batch["loss_mask"], batch["lengths"])
+                hit = torch.zeros_like(valid)
+                hit[valid] = drafter.head(out[valid]).argmax(-1) == target_arg[valid]
+                # step j at t predicts token t + 2 + j, which prompt lookup drafts from the tokens up to t + 1 + j
+                label_copyable = torch.tensor([t + 2 + j < len(runs) and runs[t + 1 + j] >= 1 for t in range(ids.shape[1])])[None, :]
+                cells = []
+                for where in (valid & label_copyable, valid & ~label_copyable):
+                    cells.append(f"{hit[where].float().mean().item():.2f} ({int(where.sum())})" if where.any() else "n/a (0)")
+                print(f"  step {j}: {cells[0]} / {cells[1]}")
 
 
 def what_if(args) -> None:
@@ -86,19 +148,20 @@ def what_if(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
-    d = modes.add_parser("decode")
-    d.add_argument("--target", required=True)
-    d.add_argument("--drafter", required=True)
-    d.add_argument("--heldout", required=True)
-    d.add_argument("--ids", required=True, help="comma-separated held-out prompt ids")
-    d.add_argument("--steps", type=int, default=6)
-    d.add_argument("--max-new-tokens", type=int, default=256)
+    for mode, default_steps in (("decode", 6), ("steps", 7)):
+        d = modes.add_parser(mode)
+        d.add_argument("--target", required=True)
+        d.add_argument("--drafter", required=True)
+        d.add_argument("--heldout", required=True)
+        d.add_argument("--ids", required=True, help="comma-separated held-out prompt ids")
+        d.add_argument("--steps", type=int, default=default_steps, help="decode: the chain's drafts; steps: TTT steps")
+        d.add_argument("--max-new-tokens", type=int, default=256)
     w = modes.add_parser("what-if")
     w.add_argument("--bench", required=True)
     w.add_argument("--setting", required=True, help='a sweep label, e.g. "tree 6-8-32"')
     w.add_argument("--cap", type=float, default=6.5)
     args = parser.parse_args()
-    decode(args) if args.mode == "decode" else what_if(args)
+    {"decode": decode, "steps": steps, "what-if": what_if}[args.mode](args)
 
 
 if __name__ == "__main__":
