@@ -48,6 +48,7 @@ import yaml
 # first: it is all of held-out ShareGPT's gap to 1.3x the n-gram (docs/PERFORMANCE.md, sixteenth session).
 DEFAULT_SETTINGS = [
     "baseline=",
+    "copy-2=train.copy_weight=2",
     "copy-4=train.copy_weight=4",
     "noise-0.05=train.hidden_noise=0.05",
     "vocab-16k=drafter.draft_vocab_size=16000",

@@ -7,12 +7,14 @@ from eyrie.decoding.ngram import lookup
 from eyrie.training.copyable import copyable_positions
 
 
-def reference(tokens: list[int], length: int) -> list[bool]:
-    return [s + 1 < length and (lookup(tokens[: s + 1], 1) or [None])[0] == tokens[s + 1] for s in range(len(tokens))]
+def reference(tokens: list[int], length: int, min_run: int) -> list[bool]:
+    """Prompt lookup itself: its first min_run drafts from each position, all right and all inside the row."""
+    return [s + min_run < length and (lookup(tokens[: s + 1], min_run) or []) == tokens[s + 1 : s + 1 + min_run] for s in range(len(tokens))]
 
 
+@pytest.mark.parametrize("min_run", [1, 3])
 @pytest.mark.parametrize("vocab, seed", [(2, 0), (3, 1), (7, 2), (49152, 3)])
-def test_copyable_positions_are_where_prompt_lookup_drafts_the_next_token(vocab, seed):
+def test_copyable_positions_are_where_prompt_lookup_drafts_the_next_tokens(vocab, seed, min_run):
     generator = torch.Generator().manual_seed(seed)
     B, L = 4, 70
     ids = torch.randint(0, vocab, (B, L), generator=generator)
@@ -20,13 +22,13 @@ def test_copyable_positions_are_where_prompt_lookup_drafts_the_next_token(vocab,
     ids[2, 10:70] = ids[2, 3:10].repeat(9)[:60]  # a loop of period 7
     lengths = torch.tensor([70, 58, 70, 23])  # rows shorter than the batch: padding never matches
     ids[3, 23:] = ids[3, :23].repeat(3)[: L - 23]  # padding that repeats the row would match, were it counted
-    got = copyable_positions(ids, lengths, vocab)
+    got = copyable_positions(ids, lengths, vocab, min_run)
     for b in range(B):
         length = int(lengths[b])
-        expected = reference(ids[b, :length].tolist(), length) + [False] * (L - length)
+        expected = reference(ids[b, :length].tolist(), length, min_run) + [False] * (L - length)
         assert got[b].tolist() == expected, b
     if vocab > 1000:  # no n-gram repeats inside the loop's period: every next token in it is copyable
-        assert got[2, 20:68].all()
+        assert got[2, 20 : 70 - min_run].all()
     assert not got[3, 22:].any()
 
 

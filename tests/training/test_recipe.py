@@ -233,7 +233,7 @@ def test_copy_weight_scales_the_label_rows_prompt_lookup_would_draft():
     needed = needed_targets(batch["loss_mask"], batch["lengths"])
     probs, row, _ = target_distribution(batch["final"], needed, head, draft_ids, torch.ones(120, dtype=torch.bool))
     weighted = weight_copyable_labels(probs.clone(), row, batch["input_ids"], batch["lengths"], 120, 3.0)
-    copyable = copyable_positions(batch["input_ids"], batch["lengths"], 120) & (row >= 0)
+    copyable = copyable_positions(batch["input_ids"], batch["lengths"], 120, 3) & (row >= 0)
     assert 5 < int(copyable.sum()) < int((row >= 0).sum())  # both kinds of label occur
     scaled = torch.zeros(probs.shape[0], dtype=torch.bool)
     scaled[row[copyable]] = True
@@ -255,7 +255,7 @@ def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp
     head = torch.randn(120, 32, generator=torch.Generator().manual_seed(3))
     model = tiny_model(Vd=120)
     draft_ids = torch.arange(120) + model.d2t
-    copyable = copyable_positions(batch["input_ids"], lengths, 120)
+    copyable = copyable_positions(batch["input_ids"], lengths, 120, 3)
     with torch.no_grad():
         probs, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), head, draft_ids, model.t2d)
         targets = [step_targets(j, row, arg, batch["loss_mask"], lengths) for j in range(3)]

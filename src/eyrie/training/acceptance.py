@@ -48,6 +48,7 @@ import time
 import torch
 
 from eyrie.decoding.ngram import lookup_runs
+from eyrie.training.copyable import COPY_MIN_RUN
 from eyrie.training.objective import needed_targets, shift_left, step_targets, target_distribution, ttt_hidden
 
 HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED, FIRST_ROUNDS, FIRST_EMITTED, COPY_POSITIONS, COPY_DRAFTER, COPY_LOOKUP = range(11)
@@ -57,7 +58,7 @@ HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED, FIRST_ROUNDS, FIRST_EMITT
 ROWS = ("hits", "count", "chain_hits", "chain_reach", "rounds", "emitted", "first_rounds", "first_emitted",
         "copy_positions", "copy_drafter", "copy_lookup")
 LOOKUP_K = 8  # prompt lookup's drafts per round: the n-gram baseline's fastest on all three H200 benchmarks
-COPY_MIN_DRAFTS = 3  # a round start belongs to the copy slice when prompt lookup would have this many drafts accepted
+COPY_MIN_DRAFTS = COPY_MIN_RUN  # a round start belongs to the copy slice when prompt lookup would have this many drafts accepted
 
 
 def acceptance_lengths(accuracy: list[float | None]) -> list[float | None]:

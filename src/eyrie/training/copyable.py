@@ -1,8 +1,11 @@
 """Which labels prompt lookup would have drafted: the positions where copying from the context is right.
 
 copyable[b, s] is True when prompt lookup (eyrie.decoding.ngram.lookup, the benchmark's n-gram baseline), knowing
-row b's tokens up to s, proposes token s + 1 as its first draft: the most recent earlier occurrence of the longest
-suffix n-gram (n = 3, 2, 1) ending at s was followed by that token. train.copy_weight weights the loss of those labels.
+row b's tokens up to s, would have its first min_run drafts accepted: the most recent earlier occurrence of the longest
+suffix n-gram (n = 3, 2, 1) ending at s was followed by tokens s + 1 .. s + min_run. train.copy_weight weights the loss
+of the label s + 1 at those positions, with min_run = 3: the stretches training's copy slice measures
+(eyrie.training.acceptance). With min_run = 1, 48% of the CPU default's regenerated assistant tokens qualify, most of
+them on a one-token match; with 3, 34%.
 
 The drafter decoded on the H200 missed exactly such tokens: in a reply that repeats one sentence it failed at the
 same places every time the sentence came round, where prompt lookup accepted 8-9 a round (docs/PERFORMANCE.md,
@@ -18,10 +21,11 @@ from __future__ import annotations
 import torch
 
 MAX_NGRAM = 3  # eyrie.decoding.ngram's: the benchmark's prompt lookup
+COPY_MIN_RUN = 3  # eyrie.training.acceptance.COPY_MIN_DRAFTS: a label counts as copied inside such a stretch
 
 
-def copyable_positions(input_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, L] bool: prompt lookup over row b's tokens up to s would draft token s + 1 first (s + 1 < lengths[b])."""
+def copyable_positions(input_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int, min_run: int = 1) -> torch.Tensor:
+    """[B, L] bool: prompt lookup over row b's tokens up to s would draft tokens s + 1 .. s + min_run (all < lengths[b])."""
     B, L = input_ids.shape
     bits = max(1, (vocab_size - 1).bit_length())
     row_bits = max(1, (B - 1).bit_length())
@@ -46,6 +50,8 @@ def copyable_positions(input_ids: torch.Tensor, lengths: torch.Tensor, vocab_siz
         earlier[order] = previous
         earlier = torch.where(earlier >= 0, earlier % L, earlier).view(B, L)  # flat index -> position in its row
         chosen = torch.where((chosen < 0) & valid, earlier, chosen)
-    following = input_ids.gather(1, (chosen + 1).clamp(min=0, max=L - 1))
-    next_token = torch.roll(input_ids, -1, dims=1)
-    return (chosen >= 0) & (positions[None, :] + 1 < lengths[:, None]) & (following == next_token)
+    copyable = chosen >= 0
+    for i in range(1, min_run + 1):  # draft i copies the token i after the match (itself a copy once past the present)
+        following = input_ids.gather(1, (chosen + i).clamp(min=0, max=L - 1))
+        copyable &= (positions[None, :] + i < lengths[:, None]) & (following == torch.roll(input_ids, -i, dims=1))
+    return copyable

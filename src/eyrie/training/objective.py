@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from eyrie.drafter.model import Eagle3Drafter
-from eyrie.training.copyable import copyable_positions
+from eyrie.training.copyable import COPY_MIN_RUN, copyable_positions
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
 
 
@@ -333,14 +333,16 @@ class TTTObjective(torch.nn.Module):
 
 def weight_copyable_labels(probs: torch.Tensor, row: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int,
                            weight: float) -> torch.Tensor:
-    """probs [N, Vd] with the rows of copyable labels (eyrie.training.copyable) times weight, in place; no host sync.
+    """probs [N, Vd] with the rows of copied labels times weight, in place; no host sync. A label is copied where prompt
+    lookup would have COPY_MIN_RUN drafts accepted from its position on (eyrie.training.copyable): the stretches
+    training's copy slice measures.
 
     The soft cross-entropy of a row is sum(p) * logsumexp(z) - sum(p * z), so a row scaled by w adds w times its
     loss and its gradient: the label weighs w in every TTT step that predicts it, and the argmax (accuracy) is unchanged.
     """
     if weight == 1.0:
         return probs
-    copyable = copyable_positions(input_ids, lengths, vocab_size) & (row >= 0)
+    copyable = copyable_positions(input_ids, lengths, vocab_size, COPY_MIN_RUN) & (row >= 0)
     N = probs.shape[0]
     scale = torch.ones(N + 1, dtype=probs.dtype, device=probs.device)  # the last entry takes every position not copyable
     scale.scatter_(0, torch.where(copyable, row, N).flatten(), weight)
