@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-MAX_NGRAM = 3  # eyrie.decoding.ngram's: the benchmark's prompt lookup
+from eyrie.decoding.ngram import MAX_NGRAM
+
 COPY_MIN_RUN = 3  # eyrie.training.acceptance.COPY_MIN_DRAFTS: a label counts as copied inside such a stretch
 
 
