@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# What comes back from a pipeline working directory: the report and the figures behind it.
+# What comes back from a pipeline working directory: the report and the figures behind it (with the benchmarks' own
+# logs: the sixteenth session's capture failure showed only in Snakemake's log).
 W=$1; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cp "$W/report.html" "$OUT/" 2>/dev/null
 (cd "$W" && tar czf "$OUT/figures.tgz" --ignore-failed-read results/bench results/drafter/*.json results/drafter/*/*.json \
-    results/vocab/*.json logs/benchmarks logs/completions logs/hidden logs/train 2>/dev/null)
+    results/vocab/*.json logs/benchmarks logs/bench logs/completions logs/hidden logs/train 2>/dev/null)
 python3 - "$W" <<'PY'
 import json, sys, glob, pyarrow.parquet as pq
 w = sys.argv[1]
