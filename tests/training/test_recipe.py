@@ -1,5 +1,5 @@
 """The training recipe's options: keep the best epoch (train.keep_best), noise on the cached states (train.hidden_noise),
-the learning-rate schedule (train.lr_schedule), labels weighted where prompt lookup would draft them (train.copy_weight) and the
+the learning-rate schedule (train.lr_schedule), labels inside copied stretches weighted (train.copy_weight) and the
 EAGLE-3.1 norms in training (drafter.norm_before_fc, norm_output)."""
 
 from __future__ import annotations

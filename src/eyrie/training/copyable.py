@@ -1,4 +1,4 @@
-"""Which labels prompt lookup would have drafted: the positions where copying from the context is right.
+"""Which labels lie inside copied stretches: the positions from which prompt lookup would have several drafts accepted.
 
 copyable[b, s] is True when prompt lookup (eyrie.decoding.ngram.lookup, the benchmark's n-gram baseline), knowing
 row b's tokens up to s, would have its first min_run drafts accepted: the most recent earlier occurrence of the longest

@@ -17,7 +17,7 @@ chains j drafts after position t, so the training forward at every step equals `
 
 Loss per step: soft cross-entropy against the target distribution restricted (renormalised) to
 the draft vocabulary, optionally mixed with a one-hot on its argmax (train.hard_label_weight), and
-optionally weighted where prompt lookup would have drafted the label (train.copy_weight);
+optionally weighted inside stretches prompt lookup would have copied (train.copy_weight);
 total = sum_j decay^j * loss_j.
 """
 

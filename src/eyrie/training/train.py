@@ -259,7 +259,7 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         + f"; {cfg['lr_schedule']} learning rate, {'keeping the best epoch' if cfg['keep_best'] else 'keeping the last epoch'}"
         + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
         + (f", labels {cfg['hard_label_weight']:g} the target's argmax" if float(cfg["hard_label_weight"]) > 0 else "")
-        + (f", labels prompt lookup would draft weighted x{cfg['copy_weight']:g}" if float(cfg["copy_weight"]) != 1 else "")
+        + (f", labels in copied stretches weighted x{cfg['copy_weight']:g}" if float(cfg["copy_weight"]) != 1 else "")
         + (", the target's states computed here for each batch (hidden.mode online)" if isinstance(inputs.states, OnlineStates) else "")
         + "".join(f", drafter.{flag}" for flag in ("norm_before_fc", "norm_output") if getattr(inputs.shape, flag))
         + (f", MLP width {inputs.shape.intermediate_size} (the target's {inputs.target_config.intermediate_size})"
