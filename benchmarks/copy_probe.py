@@ -16,6 +16,12 @@ tokens before them and the rest. A drafter that copies is right on nearly every 
 
     python benchmarks/copy_probe.py steps --target ... --drafter ... --heldout ... --ids 1giY8Cd_62 --steps 7
 
+Vocab mode (the same arguments): each greedy reply walked round by round with a chain of --steps, each step the
+drafter's teacher-forced prediction (this reproduces the served chain), as is and as if every reply token outside
+the draft vocabulary had been drafted right: what a vocabulary holding the tokens the target copies would buy at most.
+
+    python benchmarks/copy_probe.py vocab --target ... --drafter ... --heldout ... --ids 1giY8Cd_62,1Etq8vj_30 --steps 6
+
 What-if mode (a benchmark's JSON): the sweep setting's tokens/s over the n-gram's, had the drafter accepted at least
 what prompt lookup accepted on each prompt (capped), each prompt's seconds per round kept.
 
@@ -118,6 +124,67 @@ def steps(args) -> None:
                 print(f"  step {j}: {cells[0]} / {cells[1]}")
 
 
+def _walk(hit, start: int, end: int) -> list[int]:
+    """Accepted tokens per round (drafts + the bonus) of a chain of hit.shape[0] walked over positions start..end - 1;
+    hit[j, t]: step j of the round whose last known token is at t + 1 drafts token t + 2 + j right."""
+    lengths, s = [], start
+    while s < end - 1:
+        accepted = 0
+        while accepted < hit.shape[0] and hit[accepted, s - 1]:
+            accepted += 1
+        lengths.append(accepted + 1)
+        s += accepted + 1
+    return lengths
+
+
+def vocab(args) -> None:
+    import pyarrow.parquet as pq
+    import torch
+
+    from eyrie.bench.benchmark import first_turn, stop_ids_of
+    from eyrie.decoding.decode import greedy_decode
+    from eyrie.target.aux_layers import capture_indices
+    from eyrie.target.states import TargetStates
+    from eyrie.training.inputs import padded_batch
+    from eyrie.training.objective import ttt_hidden
+
+    model, tokenizer, drafter = _models(args)
+    prompts = {row["id"]: row for row in pq.read_table(args.heldout).to_pylist()}
+    capture = capture_indices(list(drafter.shape.aux_layer_ids), model.config.num_hidden_layers)
+    totals = {"as is": [], "outside drafted right": []}
+    outside_total = tokens_total = 0
+    for prompt_id in args.ids.split(","):
+        prompt_ids = tokenizer(render_prompt(tokenizer, first_turn(prompts[prompt_id])), add_special_tokens=False)["input_ids"]
+        reply = greedy_decode(model, prompt_ids, args.max_new_tokens, stop_ids_of(model, tokenizer)).tokens
+        ids = torch.tensor([prompt_ids + reply])
+        length = ids.shape[1]
+        with torch.no_grad(), TargetStates(model, capture) as target:
+            aux, final = target.states(ids, torch.arange(length))
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[0, len(prompt_ids):] = True
+        batch = padded_batch(aux[None], final[None], ids, mask, torch.tensor([length]), "cpu")
+        with torch.no_grad():
+            outs = ttt_hidden(drafter, batch["aux"], batch["input_ids"], batch["lengths"], args.steps, attention="eager")
+            drafts = [drafter.draft_ids_to_target(drafter.head(out[0]).argmax(-1)) for out in outs]
+        hit = torch.zeros(args.steps, length, dtype=torch.bool)
+        outside = torch.zeros(args.steps, length, dtype=torch.bool)
+        for j, draft in enumerate(drafts):
+            label_at = torch.arange(length) + 2 + j  # step j at t drafts token t + 2 + j
+            exists = label_at < length
+            label = ids[0, label_at.clamp(max=length - 1)]
+            hit[j] = exists & (draft == label)
+            outside[j] = exists & ~drafter.t2d[label]
+        rows = {name: _walk(h, len(prompt_ids), length) for name, h in zip(totals, (hit, hit | outside))}
+        for name, lengths in rows.items():
+            totals[name] += lengths
+        n_outside = sum(1 for token in reply if not drafter.t2d[token])
+        outside_total, tokens_total = outside_total + n_outside, tokens_total + len(reply)
+        print(f"{prompt_id}: {len(reply)} new tokens, {n_outside} outside the draft vocabulary; walked chain {args.steps} "
+              + ", ".join(f"{name} {sum(v) / len(v):.2f}" for name, v in rows.items()))
+    print(f"all: {outside_total} of {tokens_total} new tokens outside the draft vocabulary; walked chain {args.steps} "
+          + ", ".join(f"{name} {sum(v) / len(v):.3f} ({len(v)} rounds)" for name, v in totals.items()))
+
+
 def what_if(args) -> None:
     report = json.load(open(args.bench))
     setting = next(s for s in report["sweep"]["settings"] if s["label"] == args.setting)
@@ -138,20 +205,20 @@ def what_if(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
-    for mode, default_steps in (("decode", 6), ("steps", 7)):
+    for mode, default_steps in (("decode", 6), ("steps", 7), ("vocab", 6)):
         d = modes.add_parser(mode)
         d.add_argument("--target", required=True)
         d.add_argument("--drafter", required=True)
         d.add_argument("--heldout", required=True)
         d.add_argument("--ids", required=True, help="comma-separated held-out prompt ids")
-        d.add_argument("--steps", type=int, default=default_steps, help="decode: the chain's drafts; steps: TTT steps")
+        d.add_argument("--steps", type=int, default=default_steps, help="decode, vocab: the chain's drafts; steps: TTT steps")
         d.add_argument("--max-new-tokens", type=int, default=256)
     w = modes.add_parser("what-if")
     w.add_argument("--bench", required=True)
     w.add_argument("--setting", required=True, help='a sweep label, e.g. "tree 6-8-32"')
     w.add_argument("--cap", type=float, default=6.5)
     args = parser.parse_args()
-    {"decode": decode, "steps": steps, "what-if": what_if}[args.mode](args)
+    {"decode": decode, "steps": steps, "vocab": vocab, "what-if": what_if}[args.mode](args)
 
 
 if __name__ == "__main__":

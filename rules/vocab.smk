@@ -9,6 +9,7 @@ rule build_draft_vocab:
         "results/vocab/draft_vocab.safetensors",
     params:
         draft_vocab_size=config["drafter"]["draft_vocab_size"],
+        from_prompts=config["drafter"]["draft_vocab_from_prompts"],
     log:
         "logs/vocab/draft_vocab.log",
     conda: "../envs/cpu.yaml"

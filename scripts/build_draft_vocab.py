@@ -10,4 +10,5 @@ with job_log(snakemake.log[0]):
         target_vocab_size=AutoConfig.from_pretrained(snakemake.input.model).vocab_size,
         draft_vocab_size=snakemake.params.draft_vocab_size,
         out_path=snakemake.output[0],
+        from_prompts=snakemake.params.from_prompts,
     )

@@ -128,6 +128,37 @@ def test_padding_never_exceeds_the_requested_size(shards, tmp_path):
     assert manifest["draft_vocab_size"] == 7 and manifest["unseen_padding"] == 1
 
 
+def test_from_prompts_keeps_the_ids_the_target_read_before_never_seen_ones(shards, tmp_path):
+    """The target copies from its prompt tokens it never wrote in training: with from_prompts they come after every
+    written id, the most read first, where never-seen ids would pad, and they count as seen when clipping."""
+    extra = write_shard(tmp_path / "c.parquet", [([4, 4, 6, 6, 6, 7], [0, 0, 0, 0, 0, 1])])  # 6 read 3x, 4 read 2x
+    written = [2, 3, 5, 7, 9, 12]
+    with pytest.warns(VocabClippedWarning, match="padded with 1 never-seen ids"):
+        plain = build_draft_vocab([*shards, extra], V, 7, str(tmp_path / "plain.safetensors"))
+    assert (torch.arange(7) + load_draft_vocab(tmp_path / "plain.safetensors")[0]).tolist() == sorted([0, *written])
+    assert plain["from_prompts"] is False and plain["prompt_only_ids"] == 0
+    # Room for one read-only id: 1 (read 10 times) beats 6 (3) and 4 (2).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manifest = build_draft_vocab([*shards, extra], V, 7, str(tmp_path / "v.safetensors"), from_prompts=True)
+    d2t, t2d, loaded = load_draft_vocab(tmp_path / "v.safetensors")
+    assert (torch.arange(7) + d2t).tolist() == sorted([1, *written])
+    assert manifest == loaded and manifest["from_prompts"] is True and manifest["prompt_only_ids"] == 1
+    assert manifest["clipped"] is False and manifest["distinct_assistant_tokens"] == 6
+    assert manifest["coverage"] == 1.0  # of assistant tokens, as before
+    with safe_open(str(tmp_path / "v.safetensors"), framework="pt") as f:
+        assert f.get_tensor("prompt_counts")[[1, 4, 6, 7]].tolist() == [10, 2, 3, 0]
+    # Room for more than was seen anywhere: every read id is kept, then clipped to the 9 seen, padded to 16 at most.
+    with pytest.warns(VocabClippedWarning, match=r"only 9 distinct tokens \(assistant or prompt\) were seen"):
+        wide = build_draft_vocab([*shards, extra], V, 12, str(tmp_path / "w.safetensors"), from_prompts=True)
+    ids = (torch.arange(wide["draft_vocab_size"]) + load_draft_vocab(tmp_path / "w.safetensors")[0]).tolist()
+    assert {1, 4, 6, *written} <= set(ids) and wide["draft_vocab_size"] == 12 and wide["prompt_only_ids"] == 3
+    # A smaller vocabulary chosen later from the stored counts ranks read-only ids the same way.
+    resized = resize_draft_vocab(str(tmp_path / "w.safetensors"), 8, str(tmp_path / "r.safetensors"))
+    assert (torch.arange(8) + load_draft_vocab(tmp_path / "r.safetensors")[0]).tolist() == sorted([1, 6, *written])
+    assert resized["prompt_only_ids"] == 2
+
+
 def test_no_warning_when_not_clipped(shards, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

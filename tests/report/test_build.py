@@ -470,6 +470,26 @@ def test_full_report_vocab(full_html):
     assert "Cumulative coverage by vocabulary size" in full_html
 
 
+def test_vocab_section_says_how_many_ids_came_from_prompts(tmp_path):
+    """drafter.draft_vocab_from_prompts: the page counts the ids read in prompts but never written, and a clipped
+    vocabulary's note counts them among the seen."""
+    import torch
+
+    from eyrie.report.collect_model import vocab_section
+
+    counts = torch.tensor(VOCAB_COUNTS, dtype=torch.int64)
+    kept = torch.arange(len(VOCAB_COUNTS) - 8, len(VOCAB_COUNTS))
+    t2d = torch.zeros(len(VOCAB_COUNTS), dtype=torch.bool)
+    t2d[kept] = True
+    manifest = {"draft_vocab_size": 8, "requested_draft_vocab_size": 10, "target_vocab_size": len(VOCAB_COUNTS), "assistant_tokens": 100,
+                "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": SHA_A, "clipped": True, "unseen_padding": 0,
+                "shards": 4, "from_prompts": True, "prompt_only_ids": 2}
+    path = _save_safetensors(tmp_path / "v.safetensors", {"d2t": kept - torch.arange(8), "t2d": t2d, "counts": counts, "draft_ids": kept}, manifest)
+    section = vocab_section(path, [])
+    assert section["from_prompts"] is True and section["prompt_only_ids"] == 2
+    assert section["clipped_note"].startswith("only 6 distinct assistant tokens and 2 more read in prompts were seen, fewer than")
+
+
 def test_full_report_hidden_cache(full_html):
     tokens, total_bytes = 820 + 330 + 60, 440_000 + 178_000 + 34_000
     assert f"{tokens:,}" in full_html and f"{total_bytes:,}" in full_html

@@ -1,5 +1,9 @@
 """The build_vocab job: count assistant tokens over the token shards and keep the most frequent as the draft vocabulary.
 
+With `from_prompts`, the tokens the target read in its prompts but never wrote come after every token it wrote, the
+most read first, where never-seen ids would pad. The target copies such tokens from the prompt (names, references,
+quoted text), and a drafter can only propose ids its vocabulary holds (docs/PERFORMANCE.md, seventeenth session).
+
 How the chosen ids are stored (d2t offsets, t2d mask) and checked belongs to eyrie.data.vocab.
 """
 
@@ -22,35 +26,43 @@ class VocabClippedWarning(UserWarning):
     """Fewer distinct assistant tokens were seen than the requested draft vocabulary size."""
 
 
-def count_assistant_tokens(token_shards: list[str], target_vocab_size: int) -> np.ndarray:
-    """int64 [target_vocab_size]: how often each id appears where loss_mask is 1, over all shards."""
-    counts = np.zeros(target_vocab_size, dtype=np.int64)
+def count_tokens(token_shards: list[str], target_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(assistant, prompt): int64 [target_vocab_size] each, how often each id appears where loss_mask is 1 and where
+    it is 0 (system and user turns, the template's own tokens), over all shards."""
+    assistant = np.zeros(target_vocab_size, dtype=np.int64)
+    prompt = np.zeros(target_vocab_size, dtype=np.int64)
     for path in token_shards:
         _, ids, mask, _ = read_tokens(path, VocabError, with_ids=False)
-        mask = mask.astype(bool)
-        ids = ids[mask].astype(np.int64)
         if ids.size == 0:
             continue
+        ids = ids.astype(np.int64)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= target_vocab_size:
             raise VocabError(
                 f"{path}: token id {hi if hi >= target_vocab_size else lo} is outside the target vocabulary "
                 f"[0, {target_vocab_size}); the shard was tokenized for another model"
             )
-        counts += np.bincount(ids, minlength=target_vocab_size)
-    return counts
+        mask = mask.astype(bool)
+        assistant += np.bincount(ids[mask], minlength=target_vocab_size)
+        prompt += np.bincount(ids[~mask], minlength=target_vocab_size)
+    return assistant, prompt
 
 
-def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
-    """The draft_vocab_size most frequent ids (ties to the lower id, so never-seen ids come last, lowest first), ascending."""
+def select_draft_ids(counts: np.ndarray, draft_vocab_size: int, prompt_counts: np.ndarray | None = None) -> np.ndarray:
+    """The draft_vocab_size most frequent ids, ascending. Ties go to the more frequent in prompts when prompt_counts is
+    given (so ids the target read but never wrote come right after those it wrote), then to the lower id (never-seen
+    ids last, lowest first)."""
     ids = np.arange(len(counts))
-    # lexsort sorts by the last key first: descending count, then ascending id.
-    order = ids[np.lexsort((ids, -counts))]
+    second = np.zeros_like(counts) if prompt_counts is None else prompt_counts
+    # lexsort sorts by the last key first: descending count, descending prompt count, then ascending id.
+    order = ids[np.lexsort((ids, -second, -counts))]
     return np.sort(order[:draft_vocab_size]).astype(np.int64)
 
 
-def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_vocab_size: int, out_path: str) -> dict:
-    """Count assistant tokens, keep the most frequent, write d2t/t2d/counts/draft_ids; returns the manifest."""
+def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_vocab_size: int, out_path: str,
+                      from_prompts: bool = False) -> dict:
+    """Count assistant tokens, keep the most frequent, write d2t/t2d/counts/draft_ids; returns the manifest.
+    from_prompts: the ids read in prompts but never written fill what is left before never-seen ids (module doc)."""
     if not token_shards:
         raise VocabError("no token shards given: the draft vocabulary needs at least one")
     _check_size(draft_vocab_size, target_vocab_size)
@@ -63,10 +75,11 @@ def build_draft_vocab(token_shards: list[str], target_vocab_size: int, draft_voc
             f"the token shards do not share one chat template fingerprint ({detail}); "
             "re-tokenize them all with the same target"
         )
-    counts = count_assistant_tokens([str(p) for p in token_shards], target_vocab_size)
+    counts, prompt_counts = count_tokens([str(p) for p in token_shards], target_vocab_size)
     if int(counts.sum()) == 0:
         raise VocabError(f"no assistant tokens in {len(token_shards)} shard(s): nothing to build a draft vocabulary from")
-    return _write_from_counts(counts, draft_vocab_size, out_path, template_sha256=distinct[0], shards=len(token_shards))
+    return _write_from_counts(counts, draft_vocab_size, out_path, prompt_counts if from_prompts else None,
+                              template_sha256=distinct[0], shards=len(token_shards))
 
 
 def resize_draft_vocab(vocab_path: str, draft_vocab_size: int, out_path: str) -> dict:
@@ -76,12 +89,14 @@ def resize_draft_vocab(vocab_path: str, draft_vocab_size: int, out_path: str) ->
     from eyrie.core.artifacts import load_safetensors
 
     _, _, manifest = load_draft_vocab(vocab_path)  # checked against its digest
-    counts = load_safetensors(vocab_path, written_by=WRITTEN_BY).get("counts")
+    stored = load_safetensors(vocab_path, written_by=WRITTEN_BY)
+    counts, prompt_counts = stored.get("counts"), stored.get("prompt_counts")
     if counts is None:
         raise VocabError(f"{vocab_path}: stores no 'counts' to choose another size from; rebuild it with build_draft_vocab")
     _check_size(draft_vocab_size, int(counts.numel()))
-    return _write_from_counts(counts.numpy().astype(np.int64), draft_vocab_size, out_path, template_sha256=manifest["template_sha256"],
-                              shards=manifest.get("shards"), resized_from=str(vocab_path))
+    return _write_from_counts(counts.numpy().astype(np.int64), draft_vocab_size, out_path,
+                              None if prompt_counts is None else prompt_counts.numpy().astype(np.int64),
+                              template_sha256=manifest["template_sha256"], shards=manifest.get("shards"), resized_from=str(vocab_path))
 
 
 def _check_size(draft_vocab_size: int, target_vocab_size: int) -> None:
@@ -94,34 +109,42 @@ def _check_size(draft_vocab_size: int, target_vocab_size: int) -> None:
         )
 
 
-def _write_from_counts(counts: np.ndarray, draft_vocab_size: int, out_path: str, **provenance) -> dict:
-    """Keep the draft_vocab_size most frequent ids of `counts` and write them to out_path; returns the manifest
-    (provenance: template_sha256, shards, ...). When fewer ids were seen, all of them, with a warning, padded with
-    never-seen ids up to a multiple of ALIGNMENT (at most draft_vocab_size): the drafter's head is that many rows."""
-    total, seen = int(counts.sum()), int(np.count_nonzero(counts))
+def _write_from_counts(counts: np.ndarray, draft_vocab_size: int, out_path: str, prompt_counts: np.ndarray | None = None,
+                       **provenance) -> dict:
+    """Keep the draft_vocab_size most frequent ids of `counts` (then of prompt_counts, when given) and write them to
+    out_path; returns the manifest (provenance: template_sha256, shards, ...). When fewer ids were seen, all of them,
+    with a warning, padded with never-seen ids up to a multiple of ALIGNMENT (at most draft_vocab_size): the drafter's
+    head is that many rows."""
+    total = int(counts.sum())
+    written = counts > 0
+    seen_ids = written if prompt_counts is None else written | (prompt_counts > 0)
+    seen = int(np.count_nonzero(seen_ids))
     effective = draft_vocab_size
     clipped = seen < draft_vocab_size
     if clipped:
         effective = min(draft_vocab_size, -(-seen // ALIGNMENT) * ALIGNMENT)  # _check_size: draft_vocab_size <= len(counts)
         aligned = f", a multiple of {ALIGNMENT}" if effective % ALIGNMENT == 0 else f" (a multiple of {ALIGNMENT} would exceed the limit)"
         padding = f" and padded with {effective - seen} never-seen ids to {effective}{aligned}" if effective > seen else ""
+        what = "assistant tokens" if prompt_counts is None else "tokens (assistant or prompt)"
         warnings.warn(
-            f"only {seen} distinct assistant tokens were seen, fewer than draft_vocab_size {draft_vocab_size}; "
+            f"only {seen} distinct {what} were seen, fewer than draft_vocab_size {draft_vocab_size}; "
             f"the draft vocabulary is clipped to them{padding} (add data or lower draft_vocab_size)",
             VocabClippedWarning,
             stacklevel=3,
         )
-    kept = select_draft_ids(counts, effective)
+    kept = select_draft_ids(counts, effective, prompt_counts)
     manifest = {
         "draft_vocab_size": int(effective),
         "requested_draft_vocab_size": int(draft_vocab_size),
         "target_vocab_size": int(len(counts)),
         "assistant_tokens": total,
-        "distinct_assistant_tokens": seen,
+        "distinct_assistant_tokens": int(np.count_nonzero(written)),
         "coverage": float(counts[kept].sum() / total),
         "clipped": bool(clipped),
         "unseen_padding": int(max(0, effective - seen)),
+        "from_prompts": prompt_counts is not None,
+        "prompt_only_ids": 0 if prompt_counts is None else int(np.count_nonzero(~written[kept] & (prompt_counts[kept] > 0))),
         **provenance,
     }
-    write_draft_vocab(out_path, kept, counts, manifest)
+    write_draft_vocab(out_path, kept, counts, manifest, prompt_counts)
     return manifest

@@ -55,9 +55,10 @@ def check_vocab(d2t, t2d) -> None:
         )
 
 
-def write_draft_vocab(path: str | Path, draft_ids: np.ndarray, counts: np.ndarray, manifest: dict) -> None:
+def write_draft_vocab(path: str | Path, draft_ids: np.ndarray, counts: np.ndarray, manifest: dict,
+                      prompt_counts: np.ndarray | None = None) -> None:
     """Store the ascending target ids `draft_ids` as d2t offsets and a t2d mask over the len(counts) target ids,
-    with the counts they were chosen from and `manifest`."""
+    with the counts they were chosen from (prompt_counts too, when they were) and `manifest`."""
     import torch
 
     d2t = draft_ids - np.arange(len(draft_ids), dtype=np.int64)
@@ -69,6 +70,8 @@ def write_draft_vocab(path: str | Path, draft_ids: np.ndarray, counts: np.ndarra
         "counts": torch.from_numpy(counts),
         "draft_ids": torch.from_numpy(draft_ids),
     }
+    if prompt_counts is not None:
+        tensors["prompt_counts"] = torch.from_numpy(prompt_counts)
     check_vocab(tensors["d2t"], tensors["t2d"])
     write_safetensors_atomically(tensors, path, {MANIFEST_KEY: json.dumps(manifest)})
 

@@ -48,8 +48,10 @@ def vocab_section(path: str | None, warnings: list) -> dict[str, Any] | None:
     clipped = bool(manifest.get("clipped"))
     note = None
     if clipped:
+        seen = (f"{fmt_num(manifest.get('distinct_assistant_tokens'))} distinct assistant tokens"
+                + (f" and {fmt_num(manifest.get('prompt_only_ids'))} more read in prompts" if manifest.get("from_prompts") else ""))
         note = (
-            f"only {fmt_num(manifest.get('distinct_assistant_tokens'))} distinct assistant tokens were seen, "
+            f"only {seen} were seen, "
             f"fewer than the requested draft_vocab_size {fmt_num(requested)}; the draft vocabulary holds all of them"
             + (f", padded with {fmt_num(manifest['unseen_padding'])} never-seen ids to {fmt_num(size)} rows"
                if manifest.get("unseen_padding") else "")
@@ -62,6 +64,8 @@ def vocab_section(path: str | None, warnings: list) -> dict[str, Any] | None:
         "target_vocab_size": manifest.get("target_vocab_size"),
         "assistant_tokens": manifest.get("assistant_tokens"),
         "distinct_assistant_tokens": manifest.get("distinct_assistant_tokens"),
+        "from_prompts": bool(manifest.get("from_prompts")),
+        "prompt_only_ids": manifest.get("prompt_only_ids"),
         "coverage": manifest.get("coverage"),
         "clipped": clipped,
         "clipped_note": note,
