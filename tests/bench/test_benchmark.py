@@ -139,6 +139,10 @@ def test_engaged_run_returns_what_it_writes(tmp_path, model_dir, drafter):
     assert result["error"] is None
     assert result["decoder"] == "static" and result["decoder_fallback_reason"] is None  # auto: the Llama target runs static
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    outside = result["outside_draft_vocab"]  # greedy reply tokens the drafter's vocabulary lacks, counted over every prompt
+    assert outside["new_tokens"] == sum(row["new_tokens"] for row in result["per_prompt"]) and 0 <= outside["outside"] <= outside["new_tokens"]
+    assert sum(t["count"] for t in outside["most_common"]) <= outside["outside"]
+    assert all(not bool(drafter.t2d[t["id"]]) and isinstance(t["text"], str) for t in outside["most_common"])
 
 
 def test_transformers_decoder_is_recorded_with_the_reason(tmp_path, model_dir, drafter):

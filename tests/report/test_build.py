@@ -300,6 +300,8 @@ BENCH = {
         "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.4},
                        {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.3}],
         "speedup_over_ngram": 43.5 / 40.1,
+        "outside_draft_vocab": {"new_tokens": 640, "outside": 12, "fraction": 12 / 640, "prompts_with_any": 1,
+                                "most_common": [{"id": 27, "text": " dove", "count": 9}, {"id": 28, "text": None, "count": 3}]},
         "float32_check": {"dtype": "float32", "checked": 2, "identical": 2, "different": [], "lossless": True},
         "agreement_in_timing_dtype": {"dtype": "bfloat16", "identical": 1, "checked": 2, "largest_margin_at_divergence": 0.0712},
         "floor": {"prompt": "s9", "prompt_tokens": 40, "new_tokens": 256, "compiled": True, "floor_ms_per_token": 1.475,
@@ -488,6 +490,12 @@ def test_vocab_section_says_how_many_ids_came_from_prompts(tmp_path):
     section = vocab_section(path, [])
     assert section["from_prompts"] is True and section["prompt_only_ids"] == 2
     assert section["clipped_note"].startswith("only 6 distinct assistant tokens and 2 more read in prompts were seen, fewer than")
+
+
+def test_full_report_says_which_reply_tokens_the_draft_vocabulary_lacks(full_html):
+    assert ("12 of the 640 greedy reply tokens (1.9%, in 1 prompts) lie outside the draft vocabulary, so no drafter step could "
+            "propose them (most often <code> dove</code> ×9, <code>28</code> ×3)") in full_html
+    assert "drafter.draft_vocab_from_prompts" in full_html
 
 
 def test_full_report_hidden_cache(full_html):

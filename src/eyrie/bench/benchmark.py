@@ -33,6 +33,7 @@ from eyrie.bench.ngram_baseline import fastest_ngram, ngram_row
 from eyrie.bench.parity import measured_interval, parity, parity_prompts, serve_parity_samples
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
+from eyrie.bench.vocab_reach import outside_draft_vocab
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
 from eyrie.core.schema import with_defaults
@@ -458,6 +459,7 @@ def run_benchmark(
         "template_sha256": template_sha256,
         "error": None,
         "ngram": ngram,
+        "outside_draft_vocab": outside_draft_vocab(greedy_paths, drafter.t2d, tokenizer.decode),  # tokens no drafter step could propose
         "floor": floor,  # greedy against a minimal fused step on the same weights (bench.floor), or None
         "sweep": swept,
         "parity": None,

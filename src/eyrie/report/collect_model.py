@@ -369,6 +369,8 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     row["float32_check"] = {k: check.get(k) for k in ("identical", "checked")} if isinstance(check, dict) else None
     floor = data.get("floor")  # bench.floor: greedy against a minimal fused step; absent from older JSONs
     row["floor"] = floor if isinstance(floor, dict) and floor.get("error") is None and number(floor.get("ratio")) else None
+    outside = data.get("outside_draft_vocab")  # greedy reply tokens the drafter cannot propose; absent from older JSONs
+    row["outside_draft_vocab"] = outside if prompts and isinstance(outside, dict) and number(outside.get("fraction")) is not None else None
     agreement = data.get("agreement_in_timing_dtype")  # with float32_check: the timing dtype's own agreement with greedy
     row["timing_agreement"] = agreement if isinstance(agreement, dict) else None
     # The sweep over drafting settings: absent from JSONs written before it existed, and null when bench.sweep is empty.
