@@ -23,7 +23,8 @@ ALIGNMENT = 8
 
 
 class VocabClippedWarning(UserWarning):
-    """Fewer distinct assistant tokens were seen than the requested draft vocabulary size."""
+    """Fewer distinct tokens were seen (assistant ones, and prompt ones with from_prompts) than the requested draft
+    vocabulary size."""
 
 
 def count_tokens(token_shards: list[str], target_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
