@@ -20,7 +20,7 @@ Vocab mode (the same arguments): each greedy reply walked round by round with a 
 drafter's teacher-forced prediction (this reproduces the served chain), as is and as if every reply token outside
 the draft vocabulary had been drafted right: what a vocabulary holding the tokens the target copies would buy at most.
 
-    python benchmarks/copy_probe.py vocab --target ... --drafter ... --heldout ... --ids 1giY8Cd_62,1Etq8vj_30 --steps 6
+    python benchmarks/copy_probe.py vocab --target ... --drafter ... --heldout ... --ids 1giY8Cd_62,1Etq8vj_30 --steps 6 [--misses 20]
 
 What-if mode (a benchmark's JSON): the sweep setting's tokens/s over the n-gram's, had the drafter accepted at least
 what prompt lookup accepted on each prompt (capped), each prompt's seconds per round kept.
@@ -124,19 +124,6 @@ def steps(args) -> None:
                 print(f"  step {j}: {cells[0]} / {cells[1]}")
 
 
-def _walk(hit, start: int, end: int) -> list[int]:
-    """Accepted tokens per round (drafts + the bonus) of a chain of hit.shape[0] walked over positions start..end - 1;
-    hit[j, t]: step j of the round whose last known token is at t + 1 drafts token t + 2 + j right."""
-    lengths, s = [], start
-    while s < end - 1:
-        accepted = 0
-        while accepted < hit.shape[0] and hit[accepted, s - 1]:
-            accepted += 1
-        lengths.append(accepted + 1)
-        s += accepted + 1
-    return lengths
-
-
 def vocab(args) -> None:
     import pyarrow.parquet as pq
     import torch
@@ -145,13 +132,14 @@ def vocab(args) -> None:
     from eyrie.decoding.decode import greedy_decode
     from eyrie.target.aux_layers import capture_indices
     from eyrie.target.states import TargetStates
+    from eyrie.training.acceptance import walk_rounds
     from eyrie.training.inputs import padded_batch
     from eyrie.training.objective import ttt_hidden
 
     model, tokenizer, drafter = _models(args)
     prompts = {row["id"]: row for row in pq.read_table(args.heldout).to_pylist()}
     capture = capture_indices(list(drafter.shape.aux_layer_ids), model.config.num_hidden_layers)
-    totals = {"as is": [], "outside drafted right": []}
+    totals = {"as is": [0, 0], "outside drafted right": [0, 0]}  # rounds, tokens emitted
     outside_total = tokens_total = 0
     for prompt_id in args.ids.split(","):
         prompt_ids = tokenizer(render_prompt(tokenizer, first_turn(prompts[prompt_id])), add_special_tokens=False)["input_ids"]
@@ -174,15 +162,34 @@ def vocab(args) -> None:
             label = ids[0, label_at.clamp(max=length - 1)]
             hit[j] = exists & (draft == label)
             outside[j] = exists & ~drafter.t2d[label]
-        rows = {name: _walk(h, len(prompt_ids), length) for name, h in zip(totals, (hit, hit | outside))}
-        for name, lengths in rows.items():
-            totals[name] += lengths
+        # Rounds start on the reply, the first drafting from the prompt's last position, as training's walk does.
+        starts = [len(prompt_ids) - 1 <= t and t + 2 < length for t in range(length)]
+        rows = {name: walk_rounds(torch.cumprod(h, 0).sum(0).tolist(), starts, args.steps)  # runs: consecutive hits from step 0
+                for name, h in zip(totals, (hit.long(), (hit | outside).long()))}
+        for name, (rounds, emitted) in rows.items():
+            totals[name] = [totals[name][0] + rounds, totals[name][1] + emitted]
+        if args.misses:
+            _print_misses(tokenizer, drafter, ids[0], drafts, torch.cumprod(hit.long(), 0).sum(0).tolist(), len(prompt_ids), args)
         n_outside = sum(1 for token in reply if not drafter.t2d[token])
         outside_total, tokens_total = outside_total + n_outside, tokens_total + len(reply)
         print(f"{prompt_id}: {len(reply)} new tokens, {n_outside} outside the draft vocabulary; walked chain {args.steps} "
-              + ", ".join(f"{name} {sum(v) / len(v):.2f}" for name, v in rows.items()))
+              + ", ".join(f"{name} {emitted / rounds:.2f}" for name, (rounds, emitted) in rows.items()))
     print(f"all: {outside_total} of {tokens_total} new tokens outside the draft vocabulary; walked chain {args.steps} "
-          + ", ".join(f"{name} {sum(v) / len(v):.3f} ({len(v)} rounds)" for name, v in totals.items()))
+          + ", ".join(f"{name} {emitted / rounds:.3f} ({rounds} rounds)" for name, (rounds, emitted) in totals.items()))
+
+
+def _print_misses(tokenizer, drafter, ids, drafts, runs, prompt_length: int, args) -> None:
+    """The first --misses rounds' ends, walked as is: what the round accepted, the token it missed and what was drafted."""
+    shown, t = [], prompt_length - 1
+    while t + 2 < len(ids) and len(shown) < args.misses:
+        accepted = min(args.steps, runs[t])
+        if accepted < args.steps and t + 2 + accepted < len(ids):
+            want, got = (int(x) for x in (ids[t + 2 + accepted], drafts[accepted][t]))
+            outside = "" if drafter.t2d[want] else " (outside the vocabulary)"
+            shown.append(f"{tokenizer.decode(ids[t + 2 : t + 2 + accepted])!r} then {tokenizer.convert_ids_to_tokens(want)!r}{outside}, "
+                         f"drafted {tokenizer.convert_ids_to_tokens(got)!r} at step {accepted}")
+        t += accepted + 1
+    print("  first misses:\n    " + "\n    ".join(shown))
 
 
 def what_if(args) -> None:
@@ -213,6 +220,8 @@ def main() -> None:
         d.add_argument("--ids", required=True, help="comma-separated held-out prompt ids")
         d.add_argument("--steps", type=int, default=default_steps, help="decode, vocab: the chain's drafts; steps: TTT steps")
         d.add_argument("--max-new-tokens", type=int, default=256)
+        if mode == "vocab":
+            d.add_argument("--misses", type=int, default=0, help="print each prompt's first N round-ending misses")
     w = modes.add_parser("what-if")
     w.add_argument("--bench", required=True)
     w.add_argument("--setting", required=True, help='a sweep label, e.g. "tree 6-8-32"')
