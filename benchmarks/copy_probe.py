@@ -164,12 +164,13 @@ def vocab(args) -> None:
             outside[j] = exists & ~drafter.t2d[label]
         # Rounds start on the reply, the first drafting from the prompt's last position, as training's walk does.
         starts = [len(prompt_ids) - 1 <= t and t + 2 < length for t in range(length)]
-        rows = {name: walk_rounds(torch.cumprod(h, 0).sum(0).tolist(), starts, args.steps)  # runs: consecutive hits from step 0
-                for name, h in zip(totals, (hit.long(), (hit | outside).long()))}
+        runs = {name: torch.cumprod(h.long(), 0).sum(0).tolist()  # consecutive hits from step 0 at each position
+                for name, h in zip(totals, (hit, hit | outside))}
+        rows = {name: walk_rounds(name_runs, starts, args.steps) for name, name_runs in runs.items()}
         for name, (rounds, emitted) in rows.items():
             totals[name] = [totals[name][0] + rounds, totals[name][1] + emitted]
         if args.misses:
-            _print_misses(tokenizer, drafter, ids[0], drafts, torch.cumprod(hit.long(), 0).sum(0).tolist(), len(prompt_ids), args)
+            _print_misses(tokenizer, drafter, ids[0], drafts, runs["as is"], len(prompt_ids), args)
         n_outside = sum(1 for token in reply if not drafter.t2d[token])
         outside_total, tokens_total = outside_total + n_outside, tokens_total + len(reply)
         print(f"{prompt_id}: {len(reply)} new tokens, {n_outside} outside the draft vocabulary; walked chain {args.steps} "
