@@ -122,6 +122,13 @@ def dataset_source(dataset):
     return source["hf"]["path"] if os.path.isdir(source["hf"]["path"]) else []
 
 
+def rework_heldout_of(dataset):
+    """For a dataset with rework.skip_heldout_of: [that dataset, its heldout_fraction] (its held-out replies are not used); else None."""
+    rework = config["datasets"][dataset].get("rework")
+    other = rework["skip_heldout_of"] if rework else None
+    return [other, config["datasets"][other]["heldout_fraction"]] if other else None
+
+
 def prompt_shards(dataset):
     return [f"results/prompts/{dataset}/{shard}.parquet" for shard in shards(dataset)]
 

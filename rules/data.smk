@@ -18,7 +18,9 @@ for _dataset in DATASETS:
         params:
             dataset=_dataset,
             shards=prompt_shards(_dataset),
-            spec=canonical({k: v for k, v in config["datasets"][_dataset].items() if k != "generation"}),
+            # rework left out while null: a run from before the option plans no new prompts job
+            spec=canonical({k: v for k, v in config["datasets"][_dataset].items() if k != "generation" and (k, v) != ("rework", None)}),
+            heldout_of=rework_heldout_of(_dataset),
         log:
             f"logs/prompts/{_dataset}.log",
         conda: "../envs/cpu.yaml"

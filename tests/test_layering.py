@@ -27,7 +27,7 @@ FORMAT_MODULES = {
 }
 # What Snakemake's scripts (and `python -m`) run; no module of the package imports one.
 JOB_DRIVERS = {
-    "eyrie.data.prompts",
+    "eyrie.data.dataset_prompts",
     "eyrie.data.tokenize",
     "eyrie.data.build_vocab",
     "eyrie.generation.regenerate",

@@ -90,6 +90,7 @@ def _check_consistency(config: dict, origin: str) -> None:
             check_settings(dataset["source"]["synthetic"], f"{origin}: datasets.{name}.source.synthetic")
             if dataset["format"] == "sharegpt":
                 raise ConfigError(f"{origin}: datasets.{name}.format: a synthetic source is written in the openai shape; set format: auto or openai")
+        _check_rework(config, name, dataset, origin)
     if config["hidden"]["mode"] == "online" and config["hidden"]["dtype"] == "float8_e4m3fn":
         raise ConfigError(
             f"{origin}: hidden.dtype: float8_e4m3fn is how a cache is stored, and hidden.mode online stores none; use bfloat16 (the default) or float32"
@@ -109,6 +110,23 @@ def _check_consistency(config: dict, origin: str) -> None:
         caveat = sglang_version_caveat(aux_layer_ids)
         if caveat:
             warnings.warn(f"{origin}: drafter.aux_layer_ids: {caveat}", stacklevel=3)
+
+
+def _check_rework(config: dict, name: str, dataset: dict, origin: str) -> None:
+    rework = dataset.get("rework")
+    if rework is None:
+        return
+    where = f"{origin}: datasets.{name}.rework"
+    if "synthetic" in dataset["source"]:
+        raise ConfigError(f"{where}: a synthetic source has no assistant replies to rework; use a file, wheel or hf source")
+    if rework["min_chars"] > rework["max_chars"]:
+        raise ConfigError(f"{where}: min_chars {rework['min_chars']} is above max_chars {rework['max_chars']}; no reply could be used")
+    other = rework["skip_heldout_of"]
+    if other is not None and (other == name or other not in config["datasets"]):
+        known = ", ".join(sorted(set(config["datasets"]) - {name})) or "none"
+        raise ConfigError(f"{where}.skip_heldout_of: {other!r} is not another dataset of this config (others: {known})")
+    if other is not None and config["datasets"][other]["source"] != dataset["source"]:
+        raise ConfigError(f"{where}.skip_heldout_of: datasets.{other} reads another source; its held-out ids would not match these records")
 
 
 def load(path: str | Path) -> dict[str, Any]:

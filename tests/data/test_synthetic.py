@@ -13,7 +13,7 @@ from eyrie.core.digest import verify
 from eyrie.core.errors import ConfigError, ContractError, InputFileError
 from eyrie.core.schema import load_schema
 from eyrie.data import synthetic
-from eyrie.data.prompts import build_prompts_for_dataset
+from eyrie.data.dataset_prompts import build_prompts_for_dataset
 from eyrie.data.synthetic import Request, Screen, end_of_turn, normalised, stop_token_ids, synthesize_prompts, user_prefix
 from eyrie.plan import planned_outputs
 

@@ -259,6 +259,19 @@ def test_a_synthetic_dataset_shows_what_the_target_wrote_kept_and_dropped_with_e
     assert collect(config, summaries, completions, tokens)["datasets"]["rows"][1]["synthetic"] is None  # a file dataset has none
 
 
+def test_a_rework_dataset_says_how_many_replies_it_handed_back_and_what_it_skipped(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path)
+    summary = json.loads(Path(summaries[0]).read_text())
+    counts = {"records_read": 1200, "made": 1000, "heldout_skipped": 24, "without_text": 176, "instructions": 8}
+    Path(summaries[0]).write_text(json.dumps({**summary, "rework": counts}))
+    out = tmp_path / "report.html"
+    write_report(config, summaries, completions, tokens, str(out))
+    html = out.read_text()
+    assert ("rework prompts: 1,000 of the source's replies handed back to the target after one of 8 instructions to proofread, "
+            "format or quote them; 24 records skipped as held out by another dataset's benchmark; 176 without a reply") in html
+    assert collect(config, summaries, completions, tokens)["datasets"]["rows"][1]["rework"] is None  # a dataset without the option
+
+
 def test_unreadable_inputs_are_reported_not_fatal(tmp_path):
     config, summaries, completions, tokens = _inputs(tmp_path)
     broken = tmp_path / "results" / "completions" / "chat" / "0002.parquet"

@@ -23,8 +23,7 @@ import pyarrow as pa
 
 from eyrie.core.atomic import write_json_atomically, write_parquet_atomically
 from eyrie.core.errors import InputFileError
-from eyrie.data.sources import BadRecord, RawRecord, read_source
-from eyrie.data.synthetic import read_summary as read_synthetic_summary
+from eyrie.data.sources import BadRecord, RawRecord
 
 FORMATS = ("auto", "sharegpt", "openai")
 BAD_RECORD_POLICIES = ("error", "skip")
@@ -329,13 +328,15 @@ def build_prompts(
     heldout_path: str | Path,
     summary_path: str | Path,
     synthetic: dict | None = None,
+    rework: Any = None,
     dedupe_first_turn: bool = False,
 ) -> dict:
     """Normalise every record, keep the first `limit` distinct ones, and write shard, held-out and summary files.
 
     `records` is usually a RecordReader (its `label` names the input and its `truncation` is reported);
     any iterable of RawRecord works. `synthetic`: for a synthetic source, what its file says of how the
-    prompts were made (eyrie.data.synthetic.read_summary), carried into the summary for the report.
+    prompts were made (eyrie.data.synthetic.read_summary), carried into the summary for the report. `rework`: for a
+    rework dataset, its eyrie.data.rework.ReworkCounts, filled while `records` is read.
     Returns the summary that was written to `summary_path`.
     """
     _check_arguments(fmt, limit, n_shards, heldout_fraction, on_bad_record, shard_paths)
@@ -379,6 +380,8 @@ def build_prompts(
     }
     if synthetic is not None:
         summary["synthetic"] = synthetic
+    if rework is not None:
+        summary["rework"] = rework.as_dict()
     write_json_atomically(summary_path, summary)  # written last: its presence means the prompt files are complete
     return summary
 
@@ -394,31 +397,3 @@ def lost_shards(summary_path: str | Path, shard_paths: list[str]) -> list[str]:
     if not os.path.exists(summary_path):
         return []  # not built yet, or killed before it finished (its declared outputs are then missing too)
     return [path for path in shard_paths if not os.path.exists(path)]
-
-
-def build_prompts_for_dataset(
-    *, dataset: str, spec: dict, source_path: str | None, shard_paths: list[str], heldout_path: str, summary_path: str
-) -> dict:
-    """build_prompts for one validated dataset entry of the config (what the Snakemake rule calls)."""
-    source = spec["source"]
-    synthetic = None
-    if "hf" in source:
-        records = read_source("hf", source_path or source["hf"]["path"], source["hf"].get("split", "train"))
-    else:
-        if "synthetic" in source:  # results/synthetic/<dataset>.parquet, the synthesize_prompts rule's output
-            synthetic = read_synthetic_summary(source_path)
-        records = read_source("file", source_path)
-    return build_prompts(
-        dataset=dataset,
-        records=records,
-        fmt=spec["format"],
-        limit=spec["limit"],
-        n_shards=spec["shards"],
-        heldout_fraction=spec["heldout_fraction"],
-        on_bad_record=spec["on_bad_record"],
-        shard_paths=shard_paths,
-        heldout_path=heldout_path,
-        summary_path=summary_path,
-        synthetic=synthetic,
-        dedupe_first_turn=spec.get("dedupe_first_turn", True),
-    )

@@ -160,6 +160,7 @@ def _dataset_row(name: str, summary: dict | None) -> dict[str, Any]:
         "shards": {str(k): int(v) for k, v in sorted((summary.get("shards") or {}).items())},
         "roles_seen": {str(k): int(v) for k, v in (summary.get("roles_seen") or {}).items()},
         "synthetic": _synthetic(summary.get("synthetic")),
+        "rework": _rework(summary.get("rework")),
     }
 
 
@@ -185,6 +186,13 @@ def _synthetic(made: Any) -> dict[str, Any] | None:
         "examples": [{"topic": str(e.get("topic") or ""), "text": str(e.get("text") or "")}
                      for e in made.get("examples") or [] if isinstance(e, dict)],
     }
+
+
+def _rework(counts: Any) -> dict[str, int] | None:
+    """What a rework dataset made of its source's replies (eyrie.data.rework.ReworkCounts)."""
+    if not isinstance(counts, dict):
+        return None
+    return {key: int(counts.get(key) or 0) for key in ("records_read", "made", "heldout_skipped", "without_text", "instructions")}
 
 
 def _truncation_note(truncation: dict | None) -> str | None:
