@@ -56,9 +56,12 @@ def test_a_synthetic_datasets_prompts_are_planned_from_its_count_before_they_exi
         "syn": {"source": {"synthetic": {"count": 300}}, "shards": 2, "heldout_fraction": 0.1},
         "capped": {"source": {"synthetic": {"count": 300}}, "shards": 1, "limit": 50, "heldout_fraction": 0.0},
         "file": {"source": {"file": "x.jsonl"}, "shards": 1},
+        "rework": {"source": {"file": "x.jsonl"}, "rework": {}, "shards": 1, "limit": 40, "heldout_fraction": 0.0},
     }})["datasets"]
     table, summary = build_plan(config, tmp_path)
     by = {(r["dataset"], r["shard"]): r for r in table.to_dict("records")}
+    # a rework dataset's prompts are one user turn each, whatever generation.max_turns (2 here) says
+    assert by[("rework", "0000")]["prompts"] == "~40" and by[("rework", "0000")]["hours_left"] == 40 * 1 * 100 / 10 / 3600
     assert [by[("syn", s)]["prompts"] for s in ("0000", "0001")] == ["~135", "~135"] and by[("capped", "0000")]["prompts"] == "~50"
     # 135 prompts x 1 turn x (200 / 2) guessed tokens per turn at 10 tokens/s
     assert by[("syn", "0000")]["hours_left"] == 135 * 1 * 100 / 10 / 3600

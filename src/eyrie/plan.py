@@ -201,9 +201,10 @@ def expected_prompts(config: dict, dataset: str) -> float | None:
 
 
 def expected_turns_per_prompt(config: dict, dataset: str, seen: float) -> float:
-    """Before prompts exist: one for a synthetic source (the target writes a single user turn), else `seen`, the turns
-    per prompt of the shards built so far (or generation.max_turns)."""
-    return 1.0 if "synthetic" in config["datasets"][dataset]["source"] else seen
+    """Before prompts exist: one for a synthetic source (the target writes a single user turn) or a rework dataset (one
+    reply handed back), else `seen`, the turns per prompt of the shards built so far (or generation.max_turns)."""
+    spec = config["datasets"][dataset]
+    return 1.0 if "synthetic" in spec["source"] or spec.get("rework") is not None else seen
 
 
 @dataclass
