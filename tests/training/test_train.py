@@ -1102,6 +1102,12 @@ def test_held_out_samples_of_several_datasets_are_also_simulated_per_dataset(tmp
     assert cyclic["walked_first_turn_length"][-1] > noisy["walked_first_turn_length"][-1] + 1
     assert noisy["walked_first_turn_length"][-1] < last["walked_first_turn_length"][-1] < cyclic["walked_first_turn_length"][-1]
     assert "; cyclic alone, walked over first replies " in acceptance_line(last) and "; noise alone" in acceptance_line(last)
+    # Each dataset's copy slice is its own, and their round starts add up to the whole's.
+    assert cyclic["copy"]["positions"] + noisy["copy"]["positions"] == last["copy"]["positions"]
+    assert cyclic["copy"]["positions"] > 0 == noisy["copy"]["positions"]  # prompt lookup copies a cycle, never noise
+    line = acceptance_line(last)
+    assert f"copy slice drafter {cyclic['copy']['drafter_accepted'][-1]:.2f} / prompt lookup " in line.split("; noise alone")[0]
+    assert "copy slice" not in line.split("; noise alone")[1]
 
 
 def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_samples(tmp_path):

@@ -282,5 +282,13 @@ def acceptance_line(result: dict) -> str:
         f"({result['eval_samples']} {result['source']})"
         + copy_line(result.get("copy"))
         + "".join(f"; {name} alone, walked over first replies {figures(d.get('walked_first_turn_length') or [], 2)} ({d['eval_samples']})"
-                  for name, d in (result.get("by_dataset") or {}).items())
+                  + _dataset_copy(d.get("copy")) for name, d in (result.get("by_dataset") or {}).items())
     )
+
+
+def _dataset_copy(copy: dict | None) -> str:
+    """One dataset's copy slice in the progress line: held-out sets that mix datasets differ in it (a dataset of
+    rework prompts copies far more than ShareGPT), so an A/B that adds a dataset compares each dataset's own."""
+    if not copy or not copy["positions"]:
+        return ""
+    return f", copy slice drafter {copy['drafter_accepted'][-1]:.2f} / prompt lookup {copy['lookup_accepted']:.2f} ({copy['positions']} round starts)"
