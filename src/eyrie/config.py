@@ -127,6 +127,10 @@ def _check_rework(config: dict, name: str, dataset: dict, origin: str) -> None:
         raise ConfigError(f"{where}.skip_heldout_of: {other!r} is not another dataset of this config (others: {known})")
     if other is not None and config["datasets"][other]["source"] != dataset["source"]:
         raise ConfigError(f"{where}.skip_heldout_of: datasets.{other} reads another source; its held-out ids would not match these records")
+    benchmarked = [n for n, d in config["datasets"].items() if n != name and d["source"] == dataset["source"] and d["heldout_fraction"] > 0]
+    if other is None and benchmarked:  # their benchmark conversations' replies would be trained on
+        warnings.warn(f"{where}.skip_heldout_of: datasets.{benchmarked[0]} reads the same source and holds records out for its benchmark; "
+                      f"set skip_heldout_of: {benchmarked[0]} so that their replies are not trained on", stacklevel=4)
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pyarrow.parquet as pq
 import pytest
@@ -99,6 +100,16 @@ def test_config_errors_name_the_setting_and_the_fix(rework, source, message):
     with pytest.raises(ConfigError, match=message):
         cfg.validate({"model": {"name": "m", "path": "model"},
                       "datasets": {"sharegpt": {"source": SOURCE}, "rework": {"source": source, "rework": rework}}})
+
+
+def test_reworking_a_benchmarked_source_without_skip_heldout_of_warns_with_the_fix():
+    datasets = {"sharegpt": {"source": SOURCE, "heldout_fraction": 0.02}, "rework": {"source": SOURCE, "rework": {}}}
+    with pytest.warns(UserWarning, match=r"datasets.rework.rework.skip_heldout_of: datasets.sharegpt reads the same source .* set skip_heldout_of: sharegpt"):
+        cfg.validate({"model": {"name": "m", "path": "model"}, "datasets": datasets})
+    datasets["rework"]["rework"] = {"skip_heldout_of": "sharegpt"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg.validate({"model": {"name": "m", "path": "model"}, "datasets": datasets})
 
 
 def test_datasets_without_rework_are_unchanged_by_the_option():
