@@ -267,8 +267,9 @@ def test_a_rework_dataset_says_how_many_replies_it_handed_back_and_what_it_skipp
     out = tmp_path / "report.html"
     write_report(config, summaries, completions, tokens, str(out))
     html = out.read_text()
-    assert ("rework prompts: 1,000 of the source's replies handed back to the target after one of 8 instructions to proofread, "
-            "format or quote them; 24 records skipped as held out by another dataset's benchmark; 176 without a reply") in html
+    used = collect(config, summaries, completions, tokens)["datasets"]["rows"][0]["used"]
+    assert (f"rework prompts: 1,000 made from the source's replies (each handed back to the target after one of 8 instructions to "
+            f"proofread, format or quote it; {used:,} used); 24 records skipped as held out by another dataset's benchmark; 176 without a reply") in html
     assert collect(config, summaries, completions, tokens)["datasets"]["rows"][1]["rework"] is None  # a dataset without the option
 
 

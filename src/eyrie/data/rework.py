@@ -57,7 +57,7 @@ def rework_records(records: Iterable[RawRecord], settings: dict, *, fmt: str, fi
     Returns what `records` says of its file's truncation (a RecordReader's `truncation`), once exhausted.
 
     heldout_of: (dataset, heldout_fraction) whose held-out ids give no prompt. A record that cannot be read is passed
-    on as it is, so the prompts job counts or raises it (on_bad_record) with its file, location and field.
+    on with its error, so the prompts job counts or raises it (on_bad_record) naming its file, location and field.
     """
     instructions = instructions_of(settings)
     counts.instructions = len(instructions)
