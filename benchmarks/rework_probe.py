@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 LOOKUP_K = 8  # the n-gram baseline's fastest draft length on all three H200 benchmarks
-COPY_RUN = 3  # eyrie.training.copyable.COPY_MIN_RUN
+MAX_PROMPT_TOKENS = 1024  # configs/h200.yaml's generation.max_prompt_tokens: longer prompts are not regenerated
 
 
 def prompt_sets(sharegpt: str, records: int) -> dict[str, list[list[dict]]]:
@@ -45,16 +45,18 @@ def prompt_sets(sharegpt: str, records: int) -> dict[str, list[list[dict]]]:
 
 
 def greedy_replies(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, batch: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy reply ids up to the end of turn) per conversation."""
+    """(prompt ids, greedy reply ids up to the end of turn) per conversation whose prompt fits MAX_PROMPT_TOKENS."""
     import torch
 
     from eyrie.target.chat_template import render
 
     pairs = []
     tokenizer.padding_side = "left"
-    for start in range(0, len(conversations), batch):
-        texts = [render(tokenizer, c, add_generation_prompt=True) for c in conversations[start : start + batch]]
-        enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True, truncation=True, max_length=1024)
+    texts = [render(tokenizer, c, add_generation_prompt=True) for c in conversations]
+    # Skipped, not truncated, as regeneration skips them: a cut prompt would lose the assistant header.
+    texts = [t for t in texts if len(tokenizer(t, add_special_tokens=False)["input_ids"]) <= MAX_PROMPT_TOKENS]
+    for start in range(0, len(texts), batch):
+        enc = tokenizer(texts[start : start + batch], add_special_tokens=False, return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         for row, mask in zip(out, enc["attention_mask"]):
@@ -67,15 +69,16 @@ def greedy_replies(model, tokenizer, conversations: list[list[dict]], max_new_to
 
 
 def lookup_walk(prompt: list[int], reply: list[int]) -> tuple[int, int, int]:
-    """(rounds, reply tokens, tokens inside stretches prompt lookup drafts >= COPY_RUN of) for one reply."""
+    """(rounds, reply tokens, tokens inside stretches prompt lookup drafts >= COPY_MIN_RUN of) for one reply."""
     from eyrie.decoding.ngram import lookup_runs
+    from eyrie.training.copyable import COPY_MIN_RUN
 
     runs = lookup_runs(prompt + reply, LOOKUP_K)
     position, end, rounds = len(prompt), len(prompt) + len(reply), 0
     while position < end:
         position += min(runs[position - 1], end - position - 1) + 1  # the accepted drafts and the bonus token
         rounds += 1
-    copied = sum(1 for e in range(len(prompt) - 1, end - 1) if runs[e] >= COPY_RUN)
+    copied = sum(1 for e in range(len(prompt) - 1, end - 1) if runs[e] >= COPY_MIN_RUN)
     return rounds, len(reply), copied
 
 
@@ -89,13 +92,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from eyrie.target.model import load_target
+    from eyrie.training.copyable import COPY_MIN_RUN
 
     model, tokenizer = load_target(args.target, dtype="float32", device="cpu", trust_remote_code=False)
     for name, conversations in prompt_sets(str(Path(args.sharegpt)), args.records).items():
         walks = [lookup_walk(*pair) for pair in greedy_replies(model, tokenizer, conversations, args.max_new_tokens, args.batch)]
         rounds, tokens, copied = (sum(w[i] for w in walks) for i in range(3))
-        print(f"{name}: {len(walks)} prompts, {tokens} reply tokens; prompt lookup (k = {LOOKUP_K}) accepts {tokens / rounds:.2f} a round; "
-              f"{copied / tokens:.1%} of the reply tokens lie in stretches it drafts >= {COPY_RUN} of", flush=True)
+        print(f"{name}: {len(walks)} prompts ({len(conversations) - len(walks)} over {MAX_PROMPT_TOKENS} tokens skipped), {tokens} reply tokens; prompt lookup (k = {LOOKUP_K}) accepts {tokens / rounds:.2f} a round; "
+              f"{copied / tokens:.1%} of the reply tokens lie in stretches it drafts >= {COPY_MIN_RUN} of", flush=True)
 
 
 if __name__ == "__main__":

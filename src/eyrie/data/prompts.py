@@ -87,7 +87,8 @@ class _Problem(Exception):
         self.kind, self.problem, self.field = kind, problem, field
 
 
-def _shape_of(data: dict, fmt: str) -> str:
+def shape_of(data: dict, fmt: str) -> str:
+    """The record's shape (a key of SHAPES): `fmt` itself, or for auto the first shape whose turn list it holds."""
     if fmt != "auto":
         return fmt
     for shape, (turns_key, _, _) in SHAPES.items():
@@ -166,7 +167,7 @@ def _normalise(data: Any, fmt: str) -> Prompt:
     if not isinstance(data, dict):
         raise _Problem("not_an_object", f"a record must be a JSON object, got {type(data).__name__}")
     record_id = _raw_id(data)
-    shape = _shape_of(data, fmt)
+    shape = shape_of(data, fmt)
     turns_key = SHAPES[shape][0]
     turns = data.get(turns_key)
     if not isinstance(turns, list):

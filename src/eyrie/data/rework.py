@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable
 from dataclasses import asdict, dataclass
 
-from eyrie.data.prompts import ROLE_MAP, SHAPES, is_heldout, normalise_record, stable_unit
+from eyrie.data.prompts import ROLE_MAP, SHAPES, is_heldout, normalise_record, shape_of, stable_unit
 from eyrie.data.sources import BadRecord, RawRecord
 
 # Each asks for the text back, whole or in part, as a user pasting a document would.
@@ -82,10 +82,9 @@ def rework_records(records: Iterable[RawRecord], settings: dict, *, fmt: str, fi
 
 
 def first_reply(data: dict, fmt: str, min_chars: int, max_chars: int) -> str | None:
-    """The record's first assistant reply whose stripped text is min_chars..max_chars long, stripped; else None."""
-    for shape, (turns_key, role_key, content_key) in SHAPES.items():
-        if (fmt == "auto" and turns_key in data) or fmt == shape:
-            break
+    """The record's first assistant reply whose stripped text is min_chars..max_chars long, stripped; else None.
+    `data` is a record normalise_record read, so its shape is known and its contents are text."""
+    turns_key, role_key, content_key = SHAPES[shape_of(data, fmt)]
     for turn in data.get(turns_key) or ():
         role = turn.get(role_key) if isinstance(turn, dict) else None
         content = turn.get(content_key) if isinstance(turn, dict) else None
