@@ -27,4 +27,12 @@ if [ "${COLLECT_DRAFTER:-0}" = 1 ] && [ -f "$W/results/drafter/model.safetensors
     (cd "$W" && tar cf - results/drafter results/prompts/*/heldout.parquet) | split -b 15M -d - "$OUT/drafter.tar."
     (cd "$W" && sha256sum results/drafter/* results/prompts/*/heldout.parquet) > "$OUT/drafter.sha256"
 fi
+# COLLECT_DATA=1 (a call that ended regeneration): regeneration's own resume logs come back too, compressed, in pieces
+# under the lease's 16 MiB per file. A later lease puts them back (pipeline.sh's RESTORE_DATA) and every shard job
+# resumes its finished turns instead of generating them: the log is keyed by the generation settings and the model's
+# fingerprint, and a turn is reused only when its user text is the same (eyrie.generation.regenerate.resume).
+if [ "${COLLECT_DATA:-0}" = 1 ] && [ -d "$W/results/partial/completions" ]; then
+    (cd "$W" && tar czf - results/partial/completions) | split -b 15M -d - "$OUT/data.tgz."
+    (cd "$W" && find results/partial/completions -type f -print0 | xargs -0 sha256sum) > "$OUT/data.sha256"
+fi
 ls -la "$OUT"

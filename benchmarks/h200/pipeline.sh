@@ -30,6 +30,11 @@ if [ -n "${OVERLAY:-}" ]; then
     overlay=(--configfile "$W/config.yaml")
     for file in $OVERLAY; do overlay+=("$(realpath "$file")") || exit 1; done
 fi
+# RESTORE_DATA=<folder>: regeneration's resume logs an earlier lease brought back (restore_data.sh), put back once before
+# the first run. Carry the folder and give its absolute path: the pipeline runs in /tmp/persist/clean.
+if [ -n "${RESTORE_DATA:-}" ] && [ ! -f "$W/.restored" ]; then
+    bash benchmarks/h200/restore_data.sh "$W" "$RESTORE_DATA" && touch "$W/.restored" || exit 1
+fi
 # The overlay's --configfile takes every word up to the next option: --rerun-incomplete ends it before the targets.
 # Targets first, then options taking several words (e.g. `pipeline.sh results/drafter --omit-from train_drafter`).
 timeout -k 20 "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
