@@ -33,8 +33,10 @@ DAMAGED = ["results/prompts/sharegpt/0000.parquet", "results/completions/sharegp
 # What may differ between two runs of the same benchmark: wall-clock figures and what follows from them (the fastest
 # setting, and the flags and commands that serve it).
 BENCH_TIMING_WORDS = ("speedup", "floor", "recommend", "fastest", "best", "flags", "command")
-# Bookkeeping of a resumed job: how many requests a shard took over from its partial log.
+# Bookkeeping of a resumed job: how many requests a shard took over from its partial log, and how the job ran (a shard
+# whose every turn came from its log opens no engine: stats.run says engine None).
 RESUME_WORDS = ("resumed",)
+RESUME_KEYS = ("run",)
 KILL_AFTER_S = 3.0  # into the stage's first job: past Python's start-up for the jobs that take longer, or into the next job
 
 
@@ -43,12 +45,12 @@ def reference(complete_run):
     return complete_run, snapshot(complete_run)
 
 
-def dropping(value, words):
-    """value without the dict keys that contain any of words, at every depth."""
+def dropping(value, words, keys=()):
+    """value without the dict keys that contain any of words or are one of keys, at every depth."""
     if isinstance(value, dict):
-        return {k: dropping(v, words) for k, v in value.items() if not any(word in k.lower() for word in words)}
+        return {k: dropping(v, words, keys) for k, v in value.items() if k not in keys and not any(word in k.lower() for word in words)}
     if isinstance(value, (list, tuple)):
-        return type(value)(dropping(v, words) for v in value)
+        return type(value)(dropping(v, words, keys) for v in value)
     return value
 
 
@@ -71,7 +73,7 @@ def snapshot(workdir: Path) -> dict[str, object]:
             held[planned.path] = {p.name: content(p) if p.suffix == ".safetensors" else without_timings(json.loads(p.read_text()))
                                   for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
         elif path.suffix in (".parquet", ".safetensors"):
-            held[planned.path] = dropping(content(path), RESUME_WORDS)
+            held[planned.path] = dropping(content(path), RESUME_WORDS, RESUME_KEYS)
         elif path.name == "report.html":
             held[planned.path] = True
         elif path.parent.name == "bench":

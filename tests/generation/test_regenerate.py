@@ -126,6 +126,28 @@ def test_crash_then_rerun_reuses_finished_turns_and_matches_a_clean_run(tmp_path
     assert [r["messages"] for r in resumed] == [r["messages"] for r in clean]
 
 
+def test_an_answered_shard_is_written_from_its_log_without_an_engine(tmp_path, engine):
+    """A shard whose turns are all in its resume log (killed while writing, or logs a lease put back) opens no engine."""
+    from eyrie.generation.regenerate import shard_answered
+
+    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    answered = lambda: shard_answered(str(tmp_path / "p.parquet"), str(tmp_path / "partial"), SETTINGS, "fp")  # noqa: E731
+    assert not answered()
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, CrashAfter(engine, batches=1))
+    assert not answered()
+    with pytest.raises(ValueError, match="no engine was opened"):
+        run(tmp_path, None)
+    run(tmp_path, engine, out_name="first.parquet")
+    assert answered()
+    assert not shard_answered(str(tmp_path / "p.parquet"), str(tmp_path / "partial"), {**SETTINGS, "max_new_tokens": 11}, "fp")
+
+    stats = run(tmp_path, None)
+    assert stats["resumed_turns"] == stats["turns"] and stats["run"]["engine"] is None
+    first, second = (pq.read_table(tmp_path / name).to_pylist() for name in ("first.parquet", "c.parquet"))
+    assert first == second
+
+
 def test_changed_settings_do_not_reuse_old_turns(tmp_path, engine):
     assert settings_key(SETTINGS, "fp") != settings_key({**SETTINGS, "max_new_tokens": 11}, "fp")
     assert settings_key(SETTINGS, "fp") != settings_key(SETTINGS, "other model")

@@ -103,6 +103,13 @@ def _summary(values: list[float]) -> dict | None:
     return {"n": len(values), "mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "max": values[-1]}
 
 
+def shard_answered(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str) -> bool:
+    """Whether the resume log already holds every turn of the shard: then it needs no engine (no model load, no server)."""
+    conversations = load_conversations(prompts_path, settings["max_turns"])
+    resume(conversations, PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl").load())
+    return all(c.ended for c in conversations)
+
+
 def regenerate_shard(
     *,
     prompts_path: str,
@@ -116,14 +123,21 @@ def regenerate_shard(
     model_fingerprint: str,
     template_sha256: str,
 ) -> dict:
-    """Answer every turn of every prompt in the shard; returns the shard's stats."""
+    """Answer every turn of every prompt in the shard; returns the shard's stats.
+
+    engine may be None when shard_answered said every turn is in the resume log.
+    """
     conversations = load_conversations(prompts_path, settings["max_turns"])
     log = PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl")
     reused = resume(conversations, log.load())
+    if engine is None and not all(c.ended for c in conversations):
+        raise ValueError(f"{prompts_path}: turns are left to answer and no engine was opened")
 
     progress = ShardProgress(conversations, f"regenerate {dataset}/{shard}")
     try:
-        if hasattr(engine, "regenerate"):
+        if engine is None:  # every turn resumed
+            run = {"engine": None, "wall_seconds": 0.0, "busy_seconds": 0.0}
+        elif hasattr(engine, "regenerate"):
             run = engine.regenerate(conversations, settings, log, progress)
         else:
             run = _regenerate_in_batches(conversations, settings, engine_settings, engine, log, progress)
