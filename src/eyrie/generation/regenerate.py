@@ -103,10 +103,16 @@ def _summary(values: list[float]) -> dict | None:
     return {"n": len(values), "mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "max": values[-1]}
 
 
+def _resumed(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str) -> tuple[list[Conversation], PartialLog, int]:
+    """The shard's conversations with the finished turns of its resume log attached, the log, and how many were reused."""
+    conversations = load_conversations(prompts_path, settings["max_turns"])
+    log = PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl")
+    return conversations, log, resume(conversations, log.load())
+
+
 def shard_answered(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str) -> bool:
     """Whether the resume log already holds every turn of the shard: then it needs no engine (no model load, no server)."""
-    conversations = load_conversations(prompts_path, settings["max_turns"])
-    resume(conversations, PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl").load())
+    conversations, _, _ = _resumed(prompts_path, partial_dir, settings, model_fingerprint)
     return all(c.ended for c in conversations)
 
 
@@ -127,9 +133,7 @@ def regenerate_shard(
 
     engine may be None when shard_answered said every turn is in the resume log.
     """
-    conversations = load_conversations(prompts_path, settings["max_turns"])
-    log = PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl")
-    reused = resume(conversations, log.load())
+    conversations, log, reused = _resumed(prompts_path, partial_dir, settings, model_fingerprint)
     if engine is None and not all(c.ended for c in conversations):
         raise ValueError(f"{prompts_path}: turns are left to answer and no engine was opened")
 
