@@ -1,4 +1,5 @@
-"""The lease's regeneration hand-over: collect.sh (COLLECT_DATA=1) brings the resume logs back, restore_data.sh puts them back.
+"""The lease's regeneration hand-over: collect.sh (COLLECT_DATA=1) brings the resume logs back (regeneration's and
+synthesis's), restore_data.sh puts them back.
 
 A machine lost between calls, or a later lease, must get back exactly the logs regeneration wrote, and a piece
 damaged on the way must stop the call rather than resume from a corrupt log.
@@ -27,8 +28,8 @@ def _restore(workdir: Path, folder: Path) -> subprocess.CompletedProcess:
 
 
 def _logs(workdir: Path) -> dict[str, bytes]:
-    root = workdir / "results" / "partial" / "completions"
-    return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    root = workdir / "results" / "partial"
+    return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "train" not in p.parts}
 
 
 @pytest.fixture()
@@ -38,6 +39,9 @@ def regenerated(tmp_path: Path) -> Path:
         log = workdir / "results" / "partial" / "completions" / dataset / shard / "ae676134927f3c46.jsonl"
         log.parent.mkdir(parents=True)
         log.write_text("".join(f'{{"id": "{dataset}-{i}", "turn": 0, "user": "u{i}", "reply": "r{i}"}}\n' for i in range(rows)))
+    synthesis = workdir / "results" / "partial" / "synthetic" / "magpie" / "5d1e0c2a9b7f3e41.jsonl"
+    synthesis.parent.mkdir(parents=True)
+    synthesis.write_text('{"batch": 0, "samples": [{"text": "Write a haiku", "finished": true}], "seconds": 1.5}\n')
     (workdir / "results" / "partial" / "train").mkdir(parents=True)
     (workdir / "results" / "partial" / "train" / "state.json").write_text("{}")  # not regeneration's: stays behind
     return workdir
@@ -51,8 +55,9 @@ def test_resume_logs_come_back_byte_for_byte(regenerated: Path, tmp_path: Path):
     fresh = tmp_path / "lease2"
     result = _restore(fresh, out)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "restored 3 resume logs" in result.stdout
+    assert "restored 4 resume logs" in result.stdout  # three shards' and synthesis's
     assert _logs(fresh) == _logs(regenerated)
+    assert any("synthetic" in path for path in _logs(fresh))
     assert not (fresh / "results" / "partial" / "train").exists()
 
 

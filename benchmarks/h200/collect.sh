@@ -31,8 +31,11 @@ fi
 # under the lease's 16 MiB per file. A later lease puts them back (pipeline.sh's RESTORE_DATA) and every shard job
 # resumes its finished turns instead of generating them: the log is keyed by the generation settings and the model's
 # fingerprint, and a turn is reused only when its user text is the same (eyrie.generation.regenerate.resume).
+# Synthesis's partial log comes too: sampled again on a fresh machine, the synthetic prompts came out a little
+# different (1,523 / 1,420 kept against 1,525 / 1,418, twentieth session), so 39 of their turns were generated again.
 if [ "${COLLECT_DATA:-0}" = 1 ] && [ -d "$W/results/partial/completions" ]; then
-    (cd "$W" && tar czf - results/partial/completions) | split -b 15M -d - "$OUT/data.tgz."
-    (cd "$W" && find results/partial/completions -type f -print0 | xargs -0 sha256sum) > "$OUT/data.sha256"
+    logs=(results/partial/completions); [ -d "$W/results/partial/synthetic" ] && logs+=(results/partial/synthetic)
+    (cd "$W" && tar czf - "${logs[@]}") | split -b 15M -d - "$OUT/data.tgz."
+    (cd "$W" && find "${logs[@]}" -type f -print0 | xargs -0 sha256sum) > "$OUT/data.sha256"
 fi
 ls -la "$OUT"
