@@ -1,6 +1,6 @@
 """The training recipe's options: keep the best epoch (train.keep_best), noise on the cached states (train.hidden_noise),
-the learning-rate schedule (train.lr_schedule), labels inside copied stretches weighted (train.copy_weight) and the
-EAGLE-3.1 norms in training (drafter.norm_before_fc, norm_output)."""
+the learning-rate schedule (train.lr_schedule), labels inside copied stretches weighted (train.copy_weight), the prompts'
+tokens trained on (train.prompt_label_weight) and the EAGLE-3.1 norms in training (drafter.norm_before_fc, norm_output)."""
 
 from __future__ import annotations
 
@@ -277,6 +277,79 @@ def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp
     plain, copying = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "copying"))
     assert not torch.equal(plain["fc.weight"], copying["fc.weight"])
     assert json.loads((tmp_path / "copying" / "config.json").read_text())["eyrie"]["train"]["copy_weight"] == 4.0
+
+
+# --------------------------------------------------------------------------- train.prompt_label_weight
+
+
+def test_prompt_labels_add_the_prompts_tokens_and_weigh_only_their_rows():
+    from eyrie.training.objective import needed_targets, step_targets, target_distribution, trained_tokens, weight_prompt_labels
+
+    batch = _looping_batch()
+    loss_mask, lengths = batch["loss_mask"], batch["lengths"]
+    assert trained_tokens(loss_mask, lengths, 0.0) is loss_mask  # 0: replies only, as before
+    trained = trained_tokens(loss_mask, lengths, 0.5)
+    assert torch.equal(trained, torch.arange(loss_mask.shape[1])[None, :] < lengths[:, None])  # every real token, no padding
+
+    g = torch.Generator().manual_seed(4)
+    head, draft_ids, t2d = torch.randn(120, 32, generator=g), torch.arange(120), torch.ones(120, dtype=torch.bool)
+    probs, row, arg = target_distribution(batch["final"], needed_targets(trained, lengths), head, draft_ids, t2d)
+    replies_only = step_targets(0, *target_distribution(batch["final"], needed_targets(loss_mask, lengths), head, draft_ids, t2d)[1:],
+                                loss_mask, lengths)[0]
+    with_prompts = step_targets(0, row, arg, trained, lengths)[0]
+    assert int(with_prompts.sum()) > int(replies_only.sum()) and bool((with_prompts | ~replies_only).all())  # a superset
+
+    weighted = weight_prompt_labels(probs.clone(), row, loss_mask, 0.25)
+    prompt_rows = row[(row >= 0) & ~loss_mask.roll(-1, dims=1)]  # row s predicts token s + 1
+    scaled = torch.zeros(probs.shape[0], dtype=torch.bool)
+    scaled[prompt_rows] = True
+    assert 0 < int(scaled.sum()) < probs.shape[0]  # both kinds of label occur
+    assert torch.allclose(weighted[scaled], 0.25 * probs[scaled]) and torch.equal(weighted[~scaled], probs[~scaled])
+    assert weight_prompt_labels(probs, row, loss_mask, 1.0) is probs
+
+
+def test_a_training_step_with_prompt_labels_trains_the_prompts_positions_at_their_weight(tmp_path):
+    """The step's loss is sum_j 0.8^j * sum over step j's positions (now the prompts' too) of w(label) * CE(label) / count_j;
+    a run with it trains other weights than without, and records the setting; its held-out simulation counts replies only."""
+    from training.test_train import tiny_model
+
+    from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, trained_tokens, ttt_hidden
+    from eyrie.training.optimizer import make_optimizer
+
+    batch = _looping_batch()
+    loss_mask, lengths, w = batch["loss_mask"], batch["lengths"], 0.5
+    head = torch.randn(120, 32, generator=torch.Generator().manual_seed(3))
+    model = tiny_model(Vd=120)
+    draft_ids = torch.arange(120) + model.d2t
+    trained = trained_tokens(loss_mask, lengths, w)
+    with torch.no_grad():
+        probs, row, arg = target_distribution(batch["final"], needed_targets(trained, lengths), head, draft_ids, model.t2d)
+        targets = [step_targets(j, row, arg, trained, lengths) for j in range(3)]
+        outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets])
+        expected = 0.0
+        for j, (out, (valid, rows, _)) in enumerate(zip(outs, targets)):
+            label_weight = torch.where(torch.roll(loss_mask, -(2 + j), dims=1), 1.0, w)[valid]  # step j predicts token t + 2 + j
+            cross_entropy = -(probs[rows[valid]] * torch.log_softmax(model.head(out).float(), -1)).sum(-1)
+            expected += 0.8**j * (label_weight * cross_entropy).sum().item() / int(valid.sum())
+    objective = TTTObjective(model, 3, 0.8, prompt_label_weight=w)
+    result = train_step(objective, make_optimizer(model, 1e-2, 0.0), batch, target_lm_head=head, draft_ids=draft_ids, t2d=model.t2d,
+                        max_grad_norm=1e6, use_bf16=False)
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["stats"][0][2] == int(targets[0][0].sum())
+
+    samples = [(ids, [0] * 6 + [1] * (len(ids) - 6)) for ids, _ in random_samples(**SAMPLES)]  # prompts of 6 tokens
+    inputs = tiny_setup(tmp_path, samples=samples, V=120)
+    run(tmp_path, inputs, "replies", train={**TRAIN, "epochs": 1})
+    run(tmp_path, inputs, "prompts", train={**TRAIN, "epochs": 1, "prompt_label_weight": 1.0})
+    replies, prompts = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("replies", "prompts"))
+    assert not torch.equal(replies["fc.weight"], prompts["fc.weight"])
+    config = json.loads((tmp_path / "prompts" / "config.json").read_text())
+    assert config["eyrie"]["train"]["prompt_label_weight"] == 1.0
+    logs = [json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("replies", "prompts")]
+    trained = [log[0]["positions_per_step"][0] for log in logs]  # the first step's trained positions
+    assert trained[1] > trained[0]
+    simulated = [[e["positions_per_step"] for entry in log for e in entry.get("eval") or []] for log in logs]
+    assert simulated[0] and simulated[0] == simulated[1]  # the simulation drafts the same reply positions in both
 
 
 # --------------------------------------------------------------------------- train.hidden_noise

@@ -297,13 +297,14 @@ class TTTObjective(torch.nn.Module):
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
                  recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False,
-                 copy_weight: float = 1.0):
+                 copy_weight: float = 1.0, prompt_label_weight: float = 0.0):
         super().__init__()
         self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
         self.drafter = drafter
         self.steps, self.decay = steps, decay
         self.hard_label_weight = hard_label_weight  # train_step's labels: eyrie.training.objective.mix_hard_labels
         self.copy_weight = copy_weight  # train_step's labels: eyrie.training.objective.weight_copyable_labels
+        self.prompt_label_weight = prompt_label_weight  # train_step's tokens: trained_tokens, weight_prompt_labels
         self.attention, self.chunked_loss, self.recompute_mlp = attention, chunked_loss, recompute_mlp
         if compile:
             from eyrie.training.compiled_layers import CompiledLayers
@@ -349,6 +350,28 @@ def weight_copyable_labels(probs: torch.Tensor, row: torch.Tensor, input_ids: to
     return probs.mul_(scale[:N, None])
 
 
+def trained_tokens(loss_mask: torch.Tensor, lengths: torch.Tensor, prompt_label_weight: float) -> torch.Tensor:
+    """bool [B, L]: the tokens training predicts. The replies' (loss_mask); with prompt_label_weight > 0 every token
+    of the sample, the prompts' too, whose labels are the target's own distributions there as well. The held-out
+    simulation keeps loss_mask: acceptance is what drafting replies gives."""
+    if prompt_label_weight <= 0:
+        return loss_mask
+    return torch.arange(loss_mask.shape[1], device=loss_mask.device)[None, :] < lengths[:, None]
+
+
+def weight_prompt_labels(probs: torch.Tensor, row: torch.Tensor, loss_mask: torch.Tensor, weight: float) -> torch.Tensor:
+    """probs [N, Vd] with the rows whose label is a prompt token's times weight, in place; no host sync. Row s holds the
+    target's distribution for token s + 1, a prompt token where loss_mask[s + 1] is False. As in weight_copyable_labels,
+    a row scaled by w weighs w in the loss of every TTT step that predicts it."""
+    if weight <= 0 or weight == 1.0:
+        return probs
+    prompt = ~shift_left(loss_mask, 1, True) & (row >= 0)
+    N = probs.shape[0]
+    scale = torch.ones(N + 1, dtype=probs.dtype, device=probs.device)  # the last entry takes every reply label
+    scale.scatter_(0, torch.where(prompt, row, N).flatten(), weight)
+    return probs.mul_(scale[:N, None])
+
+
 def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool) -> dict:
     """One optimizer step on this rank's rows of the step's batch; the same code on one rank or many.
 
@@ -364,10 +387,12 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     steps, decay = inner.steps, inner.decay
     weight = float(batch.get("weight", 1.0))
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
-    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d,
+    trained = trained_tokens(loss_mask, lengths, inner.prompt_label_weight)
+    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(trained, lengths), target_lm_head, draft_ids, t2d,
                                                                hard_label_weight=inner.hard_label_weight)
     weight_copyable_labels(target_probs, target_row, batch["input_ids"], lengths, target_lm_head.shape[0], inner.copy_weight)
-    targets = [step_targets(j, target_row, target_arg, loss_mask, lengths) for j in range(steps)]
+    weight_prompt_labels(target_probs, target_row, loss_mask, inner.prompt_label_weight)
+    targets = [step_targets(j, target_row, target_arg, trained, lengths) for j in range(steps)]
     counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
     if distributed:
         torch.distributed.all_reduce(counts)

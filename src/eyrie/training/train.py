@@ -231,7 +231,7 @@ def _build_trainer(run: _Run, target_dir: str) -> _Trainer:
     objective = TTTObjective(model, run.ttt_steps, float(run.drafter_cfg["step_weight_decay"]), attention=run.attention,
                              recompute_mlp=bool(cfg["recompute_mlp"]), compile=bool(cfg["compile"]),
                              hard_label_weight=float(cfg["hard_label_weight"]), fused_loss=run.fused_loss,
-                             copy_weight=float(cfg["copy_weight"]))
+                             copy_weight=float(cfg["copy_weight"]), prompt_label_weight=float(cfg["prompt_label_weight"]))
     return _Trainer(model, optimizer, objective, objective.compiled, objective.loss_chunks, target_lm_head, draft_ids.to(device),
                     inputs.t2d.to(device))
 
@@ -260,6 +260,7 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
         + (f", labels {cfg['hard_label_weight']:g} the target's argmax" if float(cfg["hard_label_weight"]) > 0 else "")
         + (f", labels in copied stretches weighted x{cfg['copy_weight']:g}" if float(cfg["copy_weight"]) != 1 else "")
+        + (f", the prompts' tokens trained on too, weighted x{cfg['prompt_label_weight']:g}" if float(cfg["prompt_label_weight"]) > 0 else "")
         + (", the target's states computed here for each batch (hidden.mode online)" if isinstance(inputs.states, OnlineStates) else "")
         + "".join(f", drafter.{flag}" for flag in ("norm_before_fc", "norm_output") if getattr(inputs.shape, flag))
         + (f", MLP width {inputs.shape.intermediate_size} (the target's {inputs.target_config.intermediate_size})"
