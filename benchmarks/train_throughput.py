@@ -64,6 +64,9 @@ VARIANTS = {
                             fused_loss=True),
     "flex+fused-loss+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
                                      compile=True, fused_loss=True),
+    # train.prompt_label_weight: the prompts' positions trained too (with --prompt-share, the pipeline's mix of prompt and reply)
+    "flex+fused-loss+prompts": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
+                                    compile=False, fused_loss=True, prompt_label_weight=1.0),
 }
 
 
@@ -107,9 +110,10 @@ def random_target_head(dims: dict, device, dtype, seed: int) -> torch.Tensor:
     return head.to(dtype)
 
 
-def random_batch(dims: dict, rows: int, length: int, target_head, draft_ids, device, dtype, seed: int) -> dict:
+def random_batch(dims: dict, rows: int, length: int, target_head, draft_ids, device, dtype, seed: int, prompt_share: float = 0.0) -> dict:
     """Random aux states and tokens; final states point at draft-vocab tokens so most positions are trained
-    (as with real data, where the draft vocab covers most target argmaxes)."""
+    (as with real data, where the draft vocab covers most target argmaxes). Each row's first prompt_share of its
+    tokens (at least 2) are its prompt, outside the loss mask."""
     g = torch.Generator(device=device).manual_seed(seed)
     H = dims["hidden"]
     pick = torch.randint(0, draft_ids.numel(), (rows, length), generator=g, device=device)
@@ -119,7 +123,7 @@ def random_batch(dims: dict, rows: int, length: int, target_head, draft_ids, dev
     final = 10.0 * row / row.norm(dim=-1, keepdim=True) ** 2 + torch.randn(rows, length, H, generator=g, device=device)
     aux = torch.randn(rows, length, 3 * H, generator=g, device=device)
     loss_mask = torch.ones(rows, length, dtype=torch.bool, device=device)
-    loss_mask[:, :2] = False
+    loss_mask[:, : max(2, int(prompt_share * length))] = False
     return {
         "aux": aux.to(dtype), "final": final.to(dtype), "input_ids": token_ids, "loss_mask": loss_mask,
         "lengths": torch.full((rows,), length, dtype=torch.long, device=device), "tokens": rows * length,
@@ -140,7 +144,8 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
         model.lm_head.weight.copy_(target_head[draft_ids.to(device)].float())
     optimizer = make_optimizer(model, 1e-4, 0.0, fused=variant["fused_adam"])
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
-                             recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False))
+                             recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
+                             prompt_label_weight=variant.get("prompt_label_weight", 0.0))
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
@@ -175,7 +180,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     objective, optimizer, target_head, draft_ids, t2d = build(dims, variant, device, args.ttt_steps, args.seed)
     data_dtype = torch.bfloat16 if cuda else torch.float32
-    batch = random_batch(dims, args.batch, args.seq_len, target_head, draft_ids, device, data_dtype, args.seed + 1)
+    batch = random_batch(dims, args.batch, args.seq_len, target_head, draft_ids, device, data_dtype, args.seed + 1, args.prompt_share)
     times, losses = [], []
     deadline = time.perf_counter() + args.max_seconds
     for i in range(args.warmup + args.steps):
@@ -242,6 +247,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
     parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default the shape's)")
+    parser.add_argument("--prompt-share", type=float, default=0.0,
+                        help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.66)")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     args = parser.parse_args()
     dims = dict(SMALL if args.small else SHAPES[args.shape])
