@@ -46,7 +46,7 @@ import yaml
 # The issue's knobs no lease has measured yet (the ninth session's ablation measured the learning rate, argmax labels
 # and a 3x MLP: only the rate moved the walk; the seventeenth session's full run train.copy_weight 2, which did not
 # pay); most promising first, as a cut run judges those it finished. The prompts' tokens first: they are cached and
-# run through the drafter anyway, about twice the replies' tokens, and untrained on.
+# run through the drafter anyway (about a third as many tokens as the replies), and untrained on.
 DEFAULT_SETTINGS = [
     "baseline=",
     "prompts-1=train.prompt_label_weight=1",

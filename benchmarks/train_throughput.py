@@ -248,7 +248,7 @@ def main() -> int:
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
     parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default the shape's)")
     parser.add_argument("--prompt-share", type=float, default=0.0,
-                        help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.66)")
+                        help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.27)")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     args = parser.parse_args()
     dims = dict(SMALL if args.small else SHAPES[args.shape])
