@@ -343,10 +343,15 @@ def weight_copyable_labels(probs: torch.Tensor, row: torch.Tensor, input_ids: to
     """
     if weight == 1.0:
         return probs
-    copyable = copyable_positions(input_ids, lengths, vocab_size, COPY_MIN_RUN) & (row >= 0)
+    return scale_label_rows(probs, row, copyable_positions(input_ids, lengths, vocab_size, COPY_MIN_RUN), weight)
+
+
+def scale_label_rows(probs: torch.Tensor, row: torch.Tensor, chosen: torch.Tensor, weight: float) -> torch.Tensor:
+    """probs [N, Vd] with the rows of the chosen positions ([B, L] bool; row: each position's row, -1 for none) times
+    weight, in place, without a host sync."""
     N = probs.shape[0]
-    scale = torch.ones(N + 1, dtype=probs.dtype, device=probs.device)  # the last entry takes every position not copyable
-    scale.scatter_(0, torch.where(copyable, row, N).flatten(), weight)
+    scale = torch.ones(N + 1, dtype=probs.dtype, device=probs.device)  # the last entry takes every position not chosen
+    scale.scatter_(0, torch.where(chosen & (row >= 0), row, N).flatten(), weight)
     return probs.mul_(scale[:N, None])
 
 
@@ -365,11 +370,7 @@ def weight_prompt_labels(probs: torch.Tensor, row: torch.Tensor, loss_mask: torc
     a row scaled by w weighs w in the loss of every TTT step that predicts it."""
     if weight <= 0 or weight == 1.0:
         return probs
-    prompt = ~shift_left(loss_mask, 1, True) & (row >= 0)
-    N = probs.shape[0]
-    scale = torch.ones(N + 1, dtype=probs.dtype, device=probs.device)  # the last entry takes every reply label
-    scale.scatter_(0, torch.where(prompt, row, N).flatten(), weight)
-    return probs.mul_(scale[:N, None])
+    return scale_label_rows(probs, row, ~shift_left(loss_mask, 1, True), weight)
 
 
 def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, t2d, max_grad_norm: float, use_bf16: bool) -> dict:
