@@ -223,6 +223,23 @@ def _looping_batch(B=2, L=24, H=32, V=120, seed=6):
             "loss_mask": torch.arange(L)[None, :].expand(B, L) >= 4, "lengths": lengths, "tokens": int(lengths.sum())}
 
 
+def _loss_by_hand(model, batch: dict, head, draft_ids, trained, weight_at) -> tuple[float, list]:
+    """(sum_j 0.8^j * sum over step j's trained positions t of weight_at(j)[t] * CE(label) / count_j, step j's targets),
+    from the drafter's own logits over 3 TTT steps: what train_step's loss must come to."""
+    from eyrie.training.objective import needed_targets, step_targets, target_distribution, ttt_hidden
+
+    lengths = batch["lengths"]
+    with torch.no_grad():
+        probs, row, arg = target_distribution(batch["final"], needed_targets(trained, lengths), head, draft_ids, model.t2d)
+        targets = [step_targets(j, row, arg, trained, lengths) for j in range(3)]
+        outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets])
+        expected = 0.0
+        for j, (out, (valid, rows, _)) in enumerate(zip(outs, targets)):
+            cross_entropy = -(probs[rows[valid]] * torch.log_softmax(model.head(out).float(), -1)).sum(-1)
+            expected += 0.8**j * (weight_at(j)[valid] * cross_entropy).sum().item() / int(valid.sum())
+    return expected, targets
+
+
 def test_copy_weight_scales_the_label_rows_prompt_lookup_would_draft():
     from eyrie.training.copyable import copyable_positions
     from eyrie.training.objective import needed_targets, target_distribution, weight_copyable_labels
@@ -247,7 +264,7 @@ def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp
     from training.test_train import tiny_model
 
     from eyrie.training.copyable import copyable_positions
-    from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, ttt_hidden
+    from eyrie.training.objective import TTTObjective, train_step
     from eyrie.training.optimizer import make_optimizer
 
     batch = _looping_batch()
@@ -256,15 +273,8 @@ def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp
     model = tiny_model(Vd=120)
     draft_ids = torch.arange(120) + model.d2t
     copyable = copyable_positions(batch["input_ids"], lengths, 120, 3)
-    with torch.no_grad():
-        probs, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), head, draft_ids, model.t2d)
-        targets = [step_targets(j, row, arg, batch["loss_mask"], lengths) for j in range(3)]
-        outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets])
-        expected = 0.0
-        for j, (out, (valid, rows, _)) in enumerate(zip(outs, targets)):
-            label_weight = torch.where(torch.roll(copyable, -(1 + j), dims=1), w, 1.0)[valid]  # the label's row sits at t + 1 + j
-            cross_entropy = -(probs[rows[valid]] * torch.log_softmax(model.head(out).float(), -1)).sum(-1)
-            expected += 0.8**j * (label_weight * cross_entropy).sum().item() / int(valid.sum())
+    # The label's row sits at t + 1 + j.
+    expected, _ = _loss_by_hand(model, batch, head, draft_ids, batch["loss_mask"], lambda j: torch.where(torch.roll(copyable, -(1 + j), dims=1), w, 1.0))
     objective = TTTObjective(model, 3, 0.8, copy_weight=w)
     result = train_step(objective, make_optimizer(model, 1e-2, 0.0), batch, target_lm_head=head, draft_ids=draft_ids, t2d=model.t2d,
                         max_grad_norm=1e6, use_bf16=False)
@@ -313,7 +323,7 @@ def test_a_training_step_with_prompt_labels_trains_the_prompts_positions_at_thei
     a run with it trains other weights than without, and records the setting; its held-out simulation counts replies only."""
     from training.test_train import tiny_model
 
-    from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, trained_tokens, ttt_hidden
+    from eyrie.training.objective import TTTObjective, train_step, trained_tokens
     from eyrie.training.optimizer import make_optimizer
 
     batch = _looping_batch()
@@ -322,15 +332,8 @@ def test_a_training_step_with_prompt_labels_trains_the_prompts_positions_at_thei
     model = tiny_model(Vd=120)
     draft_ids = torch.arange(120) + model.d2t
     trained = trained_tokens(loss_mask, lengths, w)
-    with torch.no_grad():
-        probs, row, arg = target_distribution(batch["final"], needed_targets(trained, lengths), head, draft_ids, model.t2d)
-        targets = [step_targets(j, row, arg, trained, lengths) for j in range(3)]
-        outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets])
-        expected = 0.0
-        for j, (out, (valid, rows, _)) in enumerate(zip(outs, targets)):
-            label_weight = torch.where(torch.roll(loss_mask, -(2 + j), dims=1), 1.0, w)[valid]  # step j predicts token t + 2 + j
-            cross_entropy = -(probs[rows[valid]] * torch.log_softmax(model.head(out).float(), -1)).sum(-1)
-            expected += 0.8**j * (label_weight * cross_entropy).sum().item() / int(valid.sum())
+    # Step j predicts token t + 2 + j.
+    expected, targets = _loss_by_hand(model, batch, head, draft_ids, trained, lambda j: torch.where(torch.roll(loss_mask, -(2 + j), dims=1), 1.0, w))
     objective = TTTObjective(model, 3, 0.8, prompt_label_weight=w)
     result = train_step(objective, make_optimizer(model, 1e-2, 0.0), batch, target_lm_head=head, draft_ids=draft_ids, t2d=model.t2d,
                         max_grad_norm=1e6, use_bf16=False)
