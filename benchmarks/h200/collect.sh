@@ -32,7 +32,7 @@ fi
 # resumes its finished turns instead of generating them: the log is keyed by the generation settings and the model's
 # fingerprint, and a turn is reused only when its user text is the same (eyrie.generation.regenerate.resume).
 # Synthesis's partial log comes too: sampled again on a fresh machine, the synthetic prompts came out a little
-# different (1,523 / 1,420 kept against 1,525 / 1,418, twentieth session), so 39 of their turns were generated again.
+# different (1,525 / 1,418 kept against 1,523 / 1,420, twentieth session), so 39 of their turns were generated again.
 if [ "${COLLECT_DATA:-0}" = 1 ] && [ -d "$W/results/partial/completions" ]; then
     logs=(results/partial/completions); [ -d "$W/results/partial/synthetic" ] && logs+=(results/partial/synthetic)
     (cd "$W" && tar czf - "${logs[@]}") | split -b 15M -d - "$OUT/data.tgz."
