@@ -7,3 +7,8 @@ mkdir -p /tmp/persist/pieces && cp .device/pieces/* /tmp/persist/pieces/ && ls -
 if [ -f .device/clean.tar ]; then
     rm -rf /tmp/persist/clean && mkdir -p /tmp/persist/clean && tar xf .device/clean.tar -C /tmp/persist/clean && echo "clean tree in /tmp/persist/clean"
 fi
+# Carried with any piece: regeneration's resume logs an earlier lease brought back (collect.sh's COLLECT_DATA, gathered
+# here into .device/data), kept for pipeline.sh's RESTORE_DATA=/tmp/persist/data.
+if [ -f .device/data/data.sha256 ]; then
+    rm -rf /tmp/persist/data && cp -r .device/data /tmp/persist/data && echo "resume logs in /tmp/persist/data"
+fi
