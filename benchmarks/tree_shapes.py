@@ -4,7 +4,7 @@ A tree's speed is its acceptance (tokens a round) over its round's time. Accepta
 prompts, not on the machine, so it can be measured on the CPU (float32, eyrie's own static decoder, the benchmark's
 prompts); the round's time cannot. Within one GPU benchmark the sweep's settings give a round's time each
 (acceptance / tokens per second); a line through them, ms = a + b * steps + c * draft_tokens, predicts the others.
-Shapes outside the measured ones' range are extrapolations, and the script says so.
+Shapes outside the measured ones' range (steps, draft tokens or topk) are extrapolations, and the script says so.
 
     python benchmarks/tree_shapes.py --target W/resources/models/SmolLM2-135M-Instruct --drafter W/results/drafter \
         --heldout W/results/prompts/sharegpt/heldout.parquet --bench W/results/bench/sharegpt.json \
@@ -93,8 +93,10 @@ def main() -> None:
             lengths += result.acceptance_lengths
         acceptance = sum(lengths) / len(lengths)
         ms = a + b * steps + c * tokens
+        # The line has no term for topk: a K outside the measured ones' is an extrapolation too.
         inside = min(s for s, *_ in measured) <= steps <= max(s for s, *_ in measured) and \
-            min(n for _, n, _ in measured) <= tokens <= max(n for _, n, _ in measured)
+            min(n for _, n, _ in measured) <= tokens <= max(n for _, n, _ in measured) and \
+            min(k for _, k, _ in gpu) <= topk <= max(k for _, k, _ in gpu)
         rows.append({"shape": [steps, topk, tokens], "cpu_acceptance": acceptance, "rounds": len(lengths),
                      "gpu_acceptance": gpu.get((steps, topk, tokens), {}).get("mean_acceptance_length"),
                      "predicted_ms_per_round": ms, "extrapolated": not inside, "cpu_seconds": time.perf_counter() - started})
