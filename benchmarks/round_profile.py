@@ -21,7 +21,7 @@ import functools
 from collections import defaultdict
 
 import torch
-from decode_floor import SMALL, SMOLLM2, random_drafter
+from decode_floor import SMALL, SMOLLM2, TOP_K_WAYS, random_drafter
 
 from eyrie.decoding.static import StaticLlama
 from eyrie.decoding.static_drafter import StaticEagle3
@@ -105,10 +105,15 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=4, help="chain length k (0: none)")
     parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[(6, 8, 32)], metavar="S,K,N")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="the random drafter's draft vocabulary (the pipeline's: 32000)")
+    parser.add_argument("--top-k", choices=sorted(TOP_K_WAYS), help="the tree rounds' top-K, in place of eyrie's default")
     parser.add_argument("--kernels", type=int, default=0, help="print each range's N costliest kernels (name, count and us per step)")
     parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager pieces (CPU smoke test)")
     args = parser.parse_args()
+    if args.top_k:
+        import eyrie.decoding.static_drafter
+
+        eyrie.decoding.static_drafter.top_k = TOP_K_WAYS[args.top_k]  # StaticEagle3._top looks it up at call time
 
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
+from eyrie.decoding.topk import ranked_top_k, sorted_top_k, two_stage_top_k
 
 
 def sorted_first(values, k, size):
@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=10)
     args = parser.parse_args()
     variants = {"torch.topk": lambda x, k: x.topk(k, dim=-1), "two stages, chunks of 2,000": two_stage_top_k,
-                "ranked_top_k, compiled": torch.compile(ranked_top_k, dynamic=False), "ranked_top_k, eager": ranked_top_k}
+                "ranked_top_k, compiled": torch.compile(ranked_top_k, dynamic=False), "ranked_top_k, eager": ranked_top_k,
+                "sorted_top_k, compiled": torch.compile(sorted_top_k, dynamic=False)}
     for size in (1000, 2000, 4000):
         if args.width % size == 0:
             variants[f"topk chunks of {size}"] = lambda x, k, size=size: two_stage_top_k(x, k, max_chunk=size)

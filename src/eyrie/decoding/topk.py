@@ -77,6 +77,35 @@ def ranked_top_k(values: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     return _by_rank(ranks, candidates, k), _by_rank(ranks, candidate_ids, k)
 
 
+SORT_WIDTH = 512  # inductor sorts rows up to this long inside one Triton kernel; longer ones go to PyTorch's radix sort
+
+
+def sorted_top_k(values: torch.Tensor, k: int, width: int = SORT_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k as rounds of short stable sorts, which inductor compiles into one Triton kernel each: the row cut into
+    chunks of `width` (the last padded with -inf), each chunk's k best kept, until the candidates fit one chunk
+    (32,000 -> 630 -> 20 -> the k best: three sorts). The ranked way's pairwise rankings compare every chunk maximum
+    and every candidate with every other (~410,000 and ~250,000 comparisons a row at 32,000).
+
+    The k best of a row are among the k best of their chunks, and a stable sort keeps equal values in index order
+    (chunks stay in index order, and so do the candidates each keeps), so ties go to the smaller index, as with
+    ranked_top_k. A padding -inf comes after every value of the row, a real -inf included."""
+    rows, n = values.shape
+    if not 0 < k <= min(n, width):
+        raise ValueError(f"top {k} of rows of {n} in chunks of {width}")
+    ids = None  # the row's column held by each candidate (None: the candidate's own column)
+    while n > width:
+        chunks = -(-n // width)
+        padded = torch.nn.functional.pad(values, (0, chunks * width - n), value=float("-inf")).view(rows, chunks, width)
+        best, at = torch.sort(padded, dim=-1, descending=True, stable=True)
+        column = (at[..., :k] + torch.arange(0, chunks * width, width, device=values.device)[:, None]).clamp(max=n - 1)
+        column = column.reshape(rows, chunks * k)  # a padding's column is clamped into the row: never among the k best
+        ids = column if ids is None else ids.gather(1, column)
+        values, n = best[..., :k].reshape(rows, chunks * k), chunks * k
+    best, at = torch.sort(values, dim=-1, descending=True, stable=True)
+    at = at[:, :k]
+    return best[:, :k], (at if ids is None else ids.gather(1, at))
+
+
 def chunk_size_for_ranking(width: int, k: int) -> int | None:
     """The divisor of width nearest sqrt(width / k), which balances the two rankings' work (chunks^2 and (k * chunk)^2
     comparisons per row); None when no divisor lies within a factor of two of it."""
