@@ -5,16 +5,18 @@
 # weights at the default target's shape, a 32,000-token draft vocabulary, bf16.
 #   BASE: a folder holding the earlier commit's src/ and benchmarks/ (git archive <commit> src benchmarks | tar -x -C BASE),
 #   placed inside the repository (untracked) so that it travels with the call.
+#   WAYS (default "ranked sorted"): the top-K ways this engine runs with; TREES: the tree shapes (S,K,N ...);
+#   VARIANTS=0 skips topk_variants.py.
 set -u; cd "$(dirname "$0")/../.."
 BASE=${BASE:?a folder holding an earlier commit: src/ and benchmarks/}; OUT=${OUT:-/tmp}
-A="--dtypes bfloat16 --tokens 128 --repeats 3 --drafter-k 4 --trees 6,8,32 6,10,48 8,10,64 --no-floor --compiled-only --draft-vocab 32000"
+A="--dtypes bfloat16 --tokens 128 --repeats 3 --drafter-k 4 --trees ${TREES:-6,8,32 6,10,48 8,10,64} --no-floor --compiled-only --draft-vocab 32000"
 quiet() { grep -v -i -e warn -e "online softmax" -e "split the reduction" -e "important use case" -e '^\s*$'; }
 (cd "$BASE/benchmarks" && PYTHONPATH=../src python decode_floor.py $A --out "$OUT/base.json" > "$OUT/base.txt" 2>&1) \
     || { tail -20 "$OUT/base.txt"; exit 1; }
 grep -A8 "^dtype" "$OUT/base.txt"
-for way in ranked sorted; do
+for way in ${WAYS:-ranked sorted}; do
     echo "=== this engine, top-K $way, over the base"
     (cd benchmarks && PYTHONPATH=../src python decode_floor.py $A --top-k $way --out "$OUT/$way.json" --against "$OUT/base.json" 2>&1 | quiet | tail -9)
 done
-(cd benchmarks && PYTHONPATH=../src python topk_variants.py --rows 10 1 2>&1 | quiet | tail -30)
+[ "${VARIANTS:-1}" = 1 ] && (cd benchmarks && PYTHONPATH=../src python topk_variants.py --rows 10 1 2>&1 | quiet | tail -30)
 [ -n "${PROFILE:-}" ] && (cd benchmarks && PYTHONPATH=../src python round_profile.py --trees 8,10,64 --chain 0 --kernels 14 --top-k "$PROFILE" 2>&1 | quiet | sed -n '/tree (8, 10, 64)/,$p' | head -60)
