@@ -5,7 +5,7 @@
 # weights at the default target's shape, a 32,000-token draft vocabulary, bf16.
 #   BASE: a folder holding the earlier commit's src/ and benchmarks/ (git archive <commit> src benchmarks | tar -x -C BASE),
 #   placed inside the repository (untracked) so that it travels with the call.
-#   WAYS (default "ranked sorted"): the top-K ways this engine runs with; TREES: the tree shapes (S,K,N ...);
+#   WAYS (default "ranked sorted"): the top-K ways this engine runs with, each WAY or WAY@VOCAB (a draft vocabulary); TREES: the tree shapes (S,K,N ...);
 #   VARIANTS=0 skips topk_variants.py.
 set -u; cd "$(dirname "$0")/../.."
 BASE=${BASE:?a folder holding an earlier commit: src/ and benchmarks/}; OUT=${OUT:-/tmp}
@@ -14,9 +14,11 @@ quiet() { grep -v -i -e warn -e "online softmax" -e "split the reduction" -e "im
 (cd "$BASE/benchmarks" && PYTHONPATH=../src python decode_floor.py $A --out "$OUT/base.json" > "$OUT/base.txt" 2>&1) \
     || { tail -20 "$OUT/base.txt"; exit 1; }
 grep -A8 "^dtype" "$OUT/base.txt"
-for way in ${WAYS:-ranked sorted}; do
-    echo "=== this engine, top-K $way, over the base"
-    (cd benchmarks && PYTHONPATH=../src python decode_floor.py $A --top-k $way --out "$OUT/$way.json" --against "$OUT/base.json" 2>&1 | quiet | tail -9)
+for run in ${WAYS:-ranked sorted}; do  # WAY or WAY@VOCAB: this engine's top-K way, at another draft vocabulary
+    way=${run%@*}; vocab=32000; [ "$run" != "$way" ] && vocab=${run#*@}
+    echo "=== this engine, top-K $way, draft vocabulary $vocab, over the base (32,000)"
+    (cd benchmarks && PYTHONPATH=../src python decode_floor.py $A --top-k $way --draft-vocab $vocab --out "$OUT/$way-$vocab.json" \
+        --against "$OUT/base.json" 2>&1 | quiet | tail -9)
 done
 [ "${VARIANTS:-1}" = 1 ] && (cd benchmarks && PYTHONPATH=../src python topk_variants.py --rows 10 1 2>&1 | quiet | tail -30)
 [ -n "${PROFILE:-}" ] && (cd benchmarks && PYTHONPATH=../src python round_profile.py --trees 8,10,64 --chain 0 --kernels 14 --top-k "$PROFILE" 2>&1 | quiet | sed -n '/tree (8, 10, 64)/,$p' | head -60)
