@@ -43,14 +43,15 @@ def test_static_trees_equal_the_reference_round_by_round(steps, topk, draft_toke
             assert max(static.acceptance_lengths) >= 3  # deep paths were accepted, so the cache gather ran
 
 
+@pytest.mark.parametrize("way", ["ranked", "sorted"])
 @pytest.mark.parametrize("steps, topk, draft_tokens", [(5, 4, 8), (6, 8, 32)])
-def test_the_ranked_top_k_cuda_takes_drafts_the_same_trees(steps, topk, draft_tokens, monkeypatch):
-    """On CUDA the frontier's top-K is ranked_top_k (eyrie.decoding.topk.top_k), which CPU runs never take: forced
-    here, eager static trees equal the host-built reference (torch.topk) round by round, and compiled ones the same
-    compiled rounds with torch.topk (compiled rounds round differently from eager ones, so they can part from the
-    reference at a near-tie: this shape does at round 32 with any top-K)."""
+def test_the_top_k_ways_cuda_takes_draft_the_same_trees(steps, topk, draft_tokens, way, monkeypatch):
+    """On CUDA the frontier's top-K is ranked_top_k or sorted_top_k (eyrie.decoding.topk.top_k), which CPU runs never
+    take: forced here, eager static trees equal the host-built reference (torch.topk) round by round, and compiled ones
+    the same compiled rounds with torch.topk (compiled rounds round differently from eager ones, so they can part from
+    the reference at a near-tie: this shape does at round 32 with any top-K)."""
     import eyrie.decoding.static_drafter as static_drafter
-    from eyrie.decoding.topk import ranked_top_k
+    from eyrie.decoding.topk import ranked_top_k, sorted_top_k
 
     model = tiny_target(300)
     drafter = random_drafter(model, 100, scale=0.2)
@@ -58,14 +59,15 @@ def test_the_ranked_top_k_cuda_takes_drafts_the_same_trees(steps, topk, draft_to
     reference = tree_speculative_decode(model, drafter, prompt, 40, set(), steps, topk, draft_tokens)
     for compile in (False, True):
         decoded = {}
-        for name, way in (("torch", lambda values, k: values.topk(k, dim=-1)), ("ranked", ranked_top_k)):
-            monkeypatch.setattr(static_drafter, "top_k", way)
+        ways = {"torch": lambda values, k: values.topk(k, dim=-1), "ranked": ranked_top_k, "sorted": sorted_top_k}
+        for name in ("torch", way):
+            monkeypatch.setattr(static_drafter, "top_k", ways[name])
             engine = StaticLlama(model, capacity=64, cuda_graphs=False, compile=compile)
             decoded[name] = tree_decode(engine, drafter, prompt, 40, set(), steps, topk, draft_tokens)
             assert engine.drafter_for(drafter).fusion_failure is None
-        ranked, expected = decoded["ranked"], reference if not compile else decoded["torch"]
-        assert ranked.tokens == expected.tokens == reference.tokens
-        assert ranked.acceptance_lengths == expected.acceptance_lengths
+        taken, expected = decoded[way], reference if not compile else decoded["torch"]
+        assert taken.tokens == expected.tokens == reference.tokens
+        assert taken.acceptance_lengths == expected.acceptance_lengths
 
 
 def test_best_in_order_is_the_stable_sorts_first_indices_in_order():
