@@ -77,11 +77,12 @@ def ranked_top_k(values: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     return _by_rank(ranks, candidates, k), _by_rank(ranks, candidate_ids, k)
 
 
-SORT_WIDTH = 512  # inductor sorts rows up to this long inside one Triton kernel; longer ones go to PyTorch's radix sort
+SORT_WIDTH = 512  # torch._inductor lowers sorts of rows up to this long to one Triton kernel (its Sort.create); longer: PyTorch's
 
 
 def sorted_top_k(values: torch.Tensor, k: int, width: int = SORT_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k as rounds of short stable sorts, which inductor compiles into one Triton kernel each: the row cut into
+    """top_k as rounds of short stable sorts, each meant to compile to one Triton kernel (inductor's lowering of sorts up
+    to SORT_WIDTH, read in its source; not checked on a GPU): the row cut into
     chunks of `width` (the last padded with -inf), each chunk's k best kept, until the candidates fit one chunk
     (32,000 -> 630 -> 20 -> the k best: three sorts). The ranked way's pairwise rankings compare every chunk maximum
     and every candidate with every other (~410,000 and ~250,000 comparisons a row at 32,000).
