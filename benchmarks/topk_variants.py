@@ -6,8 +6,8 @@ A tree round's frontier step takes the top K of K rows of ~32,000 log-probabilit
 microseconds per call and the ratio to torch.topk for: torch.topk; two stages of topk over chunks (eyrie's
 two_stage_top_k, its top_k off CUDA); two stages whose first sorts each chunk (PyTorch's in-block bitonic sort for
 chunks up to 4,096). eyrie's ranked_top_k (no radix select, no sort: reductions and gathers; its top_k on CUDA) runs
-compiled, as the tree's pieces run it, at its own chunk length and at others, and eagerly. Every variant's values are
-checked against torch.topk's.
+compiled, as the tree's pieces run it, at its own chunk length and at others, and eagerly; sorted_top_k (rounds of
+sorts of at most 512) compiled. Every variant's values are checked against torch.topk's.
 """
 
 from __future__ import annotations
