@@ -52,6 +52,13 @@ TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": tw
               "sorted": sorted_top_k}
 
 
+def use_top_k(way: str) -> None:
+    """The tree rounds' top-K over the draft vocabulary becomes TOP_K_WAYS[way] (StaticEagle3._top looks it up at call time)."""
+    import eyrie.decoding.static_drafter
+
+    eyrie.decoding.static_drafter.top_k = TOP_K_WAYS[way]
+
+
 def random_drafter(model, k_vocab: int = 32000):  # the pipeline's draft vocabulary (draft_vocab_size)
     from eyrie.drafter.model import DrafterShape, Eagle3Drafter
     from eyrie.target.aux_layers import default_aux_layer_ids
@@ -137,9 +144,7 @@ def main() -> None:
                         "place of eyrie's default (eyrie.decoding.topk): run once per way, --out then --against, to compare them")
     args = parser.parse_args()
     if args.top_k:
-        import eyrie.decoding.static_drafter
-
-        eyrie.decoding.static_drafter.top_k = TOP_K_WAYS[args.top_k]  # StaticEagle3._top looks it up at call time
+        use_top_k(args.top_k)
     rows = [row for dtype in args.dtypes for row in run(dtype, args)]
     if args.out:
         with open(args.out, "w") as f:

@@ -21,7 +21,7 @@ import functools
 from collections import defaultdict
 
 import torch
-from decode_floor import SMALL, SMOLLM2, TOP_K_WAYS, random_drafter
+from decode_floor import SMALL, SMOLLM2, TOP_K_WAYS, random_drafter, use_top_k
 
 from eyrie.decoding.static import StaticLlama
 from eyrie.decoding.static_drafter import StaticEagle3
@@ -111,9 +111,7 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager pieces (CPU smoke test)")
     args = parser.parse_args()
     if args.top_k:
-        import eyrie.decoding.static_drafter
-
-        eyrie.decoding.static_drafter.top_k = TOP_K_WAYS[args.top_k]  # StaticEagle3._top looks it up at call time
+        use_top_k(args.top_k)
 
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -49,13 +49,14 @@ class StaticEagle3:
         self.rounds: dict[int, ChainRounds] = {}  # by draft length
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
         self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
+        self.tree_slots = self.TREE_SLOTS
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
     def reallocate(self, capacity: int, tree_slots: int = 0) -> None:
         """Buffers for positions 0..capacity-1, then at least `tree_slots` (and TREE_SLOTS) slots for tree rounds."""
         attention = self.drafter.midlayer.self_attn
-        self.tree_slots = max(tree_slots, getattr(self, "tree_slots", self.TREE_SLOTS))
+        self.tree_slots = max(tree_slots, self.tree_slots)
         # project() returns kv heads already repeated. Slots past the capacity are never <= a position, so the
         # position mask of a chain or an extend hides them.
         shape = (1, attention.heads, capacity + self.tree_slots, attention.head_dim)
