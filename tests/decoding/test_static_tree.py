@@ -12,7 +12,7 @@ from decoding.test_tree import SHAPES, check_result, random_drafter, tiny_target
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.graphs import cuda_graphs_usable
 from eyrie.decoding.static import StaticLlama
-from eyrie.decoding.static_tree import StaticTree, best_in_order
+from eyrie.decoding.static_tree import StaticTree
 from eyrie.decoding.tree import TreeShape, tree_speculative_decode
 
 ALL_SHAPES = SHAPES + [(1, 3, 3), (2, 2, 7), (6, 8, 32)]
@@ -68,35 +68,6 @@ def test_the_top_k_ways_cuda_takes_draft_the_same_trees(steps, topk, draft_token
         taken, expected = decoded[way], reference if not compile else decoded["torch"]
         assert taken.tokens == expected.tokens == reference.tokens
         assert taken.acceptance_lengths == expected.acceptance_lengths
-
-
-def test_best_in_order_is_the_stable_sorts_first_indices_in_order():
-    """_select's choice of the N - 1 best nodes, without a sort: the same indices as sorting the first N - 1 of a stable
-    sort by score (ties to the earlier node), with many ties and without."""
-    generator = torch.Generator().manual_seed(0)
-    for trial in range(60):
-        n = int(torch.randint(2, 400, (1,), generator=generator))
-        count = int(torch.randint(1, n + 1, (1,), generator=generator))
-        scores = torch.randint(-8, 2, (n,), generator=generator).float() / 4 if trial % 2 else torch.randn(n, generator=generator)
-        expected = torch.sort(torch.sort(-scores, stable=True).indices[:count]).values
-        assert torch.equal(best_in_order(scores, count, torch.arange(n), torch.arange(count)), expected)
-
-
-def test_a_tree_wider_than_the_drafters_tree_slots_grows_them():
-    """K (S - 1) frontier slots past StaticEagle3.TREE_SLOTS: the drafter's cache grows and the rounds are the reference's."""
-    model = tiny_target(300)
-    drafter = random_drafter(model, 100, scale=0.2)
-    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
-    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
-    steps, topk, draft_tokens = 10, 16, 24
-    assert topk * (steps - 1) > engine.drafter_for(drafter).TREE_SLOTS
-    static = tree_decode(engine, drafter, prompt, 30, set(), steps, topk, draft_tokens)
-    reference = tree_speculative_decode(model, drafter, prompt, 30, set(), steps, topk, draft_tokens)
-    assert engine.drafter_for(drafter).tree_slots == 144
-    assert static.tokens == reference.tokens == greedy_decode(model, prompt, 30, set()).tokens
-    assert static.acceptance_lengths == reference.acceptance_lengths
-    chain = speculative_decode(engine, drafter, prompt, 30, set(), draft_tokens=3)  # rounds built after the growth
-    assert chain.tokens == reference.tokens
 
 
 def test_accepted_paths_leave_the_first_branch():

@@ -34,9 +34,6 @@ class StaticEagle3:
     """
 
     PIECES = ("_forward", "_extend", "_draft_step", "_token")
-    # Cache slots past the capacity, never a position: a tree round's frontier writes its K/V there
-    # (eyrie.decoding.static_tree), so a frontier step attends to the prefix and its ancestors as one key block.
-    TREE_SLOTS = 128
 
     def __init__(self, target, drafter: Eagle3Drafter):  # target: the StaticLlama drafted for
         rope_type = getattr(drafter.rotary.rope, "rope_type", "default")
@@ -49,20 +46,15 @@ class StaticEagle3:
         self.rounds: dict[int, ChainRounds] = {}  # by draft length
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
         self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
-        self.tree_slots = self.TREE_SLOTS
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
-    def reallocate(self, capacity: int, tree_slots: int = 0) -> None:
-        """Buffers for positions 0..capacity-1, then at least `tree_slots` (and TREE_SLOTS) slots for tree rounds."""
+    def reallocate(self, capacity: int) -> None:
         attention = self.drafter.midlayer.self_attn
-        self.tree_slots = max(tree_slots, self.tree_slots)
-        # project() returns kv heads already repeated. Slots past the capacity are never <= a position, so the
-        # position mask of a chain or an extend hides them.
-        shape = (1, attention.heads, capacity + self.tree_slots, attention.head_dim)
+        shape = (1, attention.heads, capacity, attention.head_dim)  # project() returns kv heads already repeated
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.slots = torch.arange(capacity + self.tree_slots, device=self.device)
+        self.slots = torch.arange(capacity, device=self.device)
         # The drafter's own rotary tables at every slot, looked up by position: computed per step, they cost a float32
         # matrix product (~3 us on an H200) in every draft step. Each entry is the same product either way.
         cos, sin = self.drafter.rotary(torch.zeros(1, device=self.device, dtype=self.dtype), self.slots[None])

@@ -54,24 +54,23 @@ class StaticTree:
         self.drafter, self.target, self.shape = drafter, drafter.target, shape
         S, K, N = shape.steps, shape.topk, shape.draft_tokens
         device, target = drafter.device, drafter.target
-        # The frontier's K/V slots, K per depth after the first: the drafter's slots past its capacity
-        # (StaticEagle3.TREE_SLOTS, a multiple of 8: cuBLAS's aligned kernels), so that a frontier step attends to the
-        # prefix and its ancestors as one key block: one product each for the scores and the values where two blocks
-        # took two each (benchmarks/round_profile.py). The slots past K (S - 1) are never visible.
-        nodes, needed = shape.nodes, round_up(max(K * (S - 1), 1), 8)
-        if needed > drafter.tree_slots:
-            drafter.reallocate(drafter.capacity, tree_slots=needed)  # drops the drafter's other rounds: rebuilt on use
-        tree_slots, first_tree_slot = drafter.tree_slots, drafter.capacity
+        attention = drafter.drafter.midlayer.self_attn
+        # The frontier's K/V slots: K per depth after the first, padded to a multiple of 8 (never visible). The softmax
+        # over the prefix and these slots is sliced per block, and a row stride that is not a multiple of 8 bf16 values
+        # sent the drafter's products over them to cuBLAS's unaligned kernels (cutlass "align2": 62 us in 15 calls per
+        # (6, 10, 48) round on an H200, benchmarks/round_profile.py).
+        nodes, tree_slots = shape.nodes, round_up(max(K * (S - 1), 1), 8)
         self.ext_aux = torch.zeros(1, S + 1, 3 * drafter.drafter.shape.target_hidden_size, device=device, dtype=target.dtype)
         self.ext_ids = torch.zeros(1, S + 1, dtype=torch.long, device=device)
         self.ext_start = torch.zeros(1, dtype=torch.long, device=device)
         self.ext_last = torch.zeros(1, dtype=torch.long, device=device)
+        self.tree_keys = torch.zeros(1, attention.heads, tree_slots, attention.head_dim, device=device, dtype=drafter.dtype)
+        self.tree_values = torch.zeros_like(self.tree_keys)
         # Constant layout of the drafted nodes: step 1's K, then each later step's K^2 children, frontier-major.
         depths = [1] * K + [d for d in range(2, S + 1) for _ in range(K * K)]
         self.node_depths = torch.tensor(depths, device=device)
         self.eye = torch.eye(max(K, N), dtype=torch.bool, device=device)
         self.rows = torch.arange(N, device=device)
-        self.node_ids = torch.arange(nodes, device=device)
         self.depth_range = torch.arange(1, S + 1, device=device)
         self.root = self.rows == 0
         # Per frontier step (depth 1..S-1), tensors of one shape, so the step's piece compiles once for every depth:
@@ -82,12 +81,12 @@ class StaticTree:
         self.frontier_depth = [torch.full((K,), depth, device=device) for depth in range(1, S)]
         self.own_slots = [node_slot & (slot_depth == depth)[None] for depth in range(1, S)]
         self.child_offset = [torch.full((1,), K + (depth - 1) * K * K, device=device) for depth in range(1, S)]
-        self.frontier_slots = [first_tree_slot + torch.arange((depth - 1) * K, depth * K, device=device) for depth in range(1, S)]
+        self.frontier_slots = [torch.arange((depth - 1) * K, depth * K, device=device) for depth in range(1, S)]
         # Step 1's frontier: the root's K children, whose parent is `nodes` (row_of[nodes] is row 0, the current
         # token), node indices 0..K-1, no ancestors among the tree slots.
         self.root_parents = torch.full((K,), nodes, device=device)
         self.first_nodes = torch.arange(K, device=device)
-        self.no_ancestry = torch.zeros(K, tree_slots, dtype=torch.bool, device=device)
+        self.no_ancestry = torch.zeros(K, self.tree_keys.shape[2], dtype=torch.bool, device=device)
         self.extend_offsets = torch.arange(S + 1, device=device)
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}
@@ -108,13 +107,12 @@ class StaticTree:
         frontier = out_root.expand(1, self.shape.topk, -1).contiguous()  # contiguous: every depth's _step compiles once
         return frontier, scores, self.drafter.drafter.draft_ids_to_target(ids), last
 
-    def _step(self, hidden, tokens, last, depth, own_slot_ids, keys, values, slots, cos_table, sin_table,
-              ancestry, own, scores, nodes, child_offset):
+    def _step(self, hidden, tokens, last, depth, own_slot_ids, prefix_keys, prefix_values, prefix_slots, cos_table, sin_table,
+              tree_keys, tree_values, ancestry, own, scores, nodes, child_offset):
         """One frontier step: the K frontier nodes (outputs at their parents hidden (1, K, H), target ids `tokens`
-        (K,), at position last + depth) run the drafter's layer, writing their K/V to the drafter's tree slots
-        `own_slot_ids` (past its capacity), and attend to the accepted prefix (the cache's positions, masked by
-        position), their ancestors (`ancestry` (K, tree slots)) and themselves (`own`), as one key block; their top-K
-        children are scored. Returns every child (target ids,
+        (K,), at position last + depth) run the drafter's layer, writing their K/V to tree slots `own_slot_ids`, and
+        attend to the accepted prefix (the drafter's whole cache, masked by position), their ancestors (`ancestry`
+        (K, tree slots)) and themselves (`own`); their top-K children are scored. Returns every child (target ids,
         parent nodes, cumulative scores: (K^2,) each, frontier-major) and the next frontier: the best K children by
         cumulative score, ties to the earlier (stable sort), as (hidden, ancestry, scores, nodes, target ids)."""
         K, drafter = self.shape.topk, self.drafter.drafter
@@ -122,11 +120,11 @@ class StaticTree:
         rotary = rotary_at(cos_table, sin_table, positions)
         x, cos, sin = drafter.layer_inputs(hidden, tokens[None], positions[None], rotary)
         q, k, v = self.drafter.products.project(x, cos, sin)  # (1, h, K, hd)
-        keys.index_copy_(2, own_slot_ids, k)
-        values.index_copy_(2, own_slot_ids, v)
-        positions_seen = (slots[: slots.shape[0] - ancestry.shape[1]] <= last).expand(K, -1)  # (K, capacity)
-        visible = torch.cat([positions_seen, ancestry | own], dim=1)[None, None]  # (1, 1, K, capacity + tree slots)
-        out = self.drafter.products.layer_output(hidden, drafter.midlayer.self_attn.attend(q, [(keys, values, visible)]))
+        tree_keys.index_copy_(2, own_slot_ids, k)
+        tree_values.index_copy_(2, own_slot_ids, v)
+        seen = (prefix_slots <= last)[None, None, None, :].expand(1, 1, K, prefix_slots.shape[0])
+        blocks = [(prefix_keys, prefix_values, seen), (tree_keys, tree_values, (ancestry | own)[None, None])]
+        out = self.drafter.products.layer_output(hidden, drafter.midlayer.self_attn.attend(q, blocks))
         top, child_ids = self.drafter._top(out, K)  # (K, K)
         cumulative = (scores[:, None] + top).flatten()
         child_tokens = drafter.draft_ids_to_target(child_ids).flatten()
@@ -144,7 +142,7 @@ class StaticTree:
         drafted, parents, all_scores = [tokens], [self.root_parents], [scores]
         for depth in range(1, self.shape.steps):
             step = self.piece("_step", hidden, tokens, last, self.frontier_depth[depth - 1], self.frontier_slots[depth - 1],
-                              *self.drafter.cache, ancestry, self.own_slots[depth - 1],
+                              *self.drafter.cache, self.tree_keys, self.tree_values, ancestry, self.own_slots[depth - 1],
                               scores, nodes, self.child_offset[depth - 1])
             for column, value in zip((drafted, parents, all_scores), step[:3]):
                 column.append(value)
@@ -162,7 +160,7 @@ class StaticTree:
         so that this piece compiles once per shape rather than once per span."""
         S, N, target = self.shape.steps, self.shape.draft_tokens, self.target
         tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
-        chosen = best_in_order(scores, N - 1, self.node_ids, self.rows[: N - 1])
+        chosen = torch.sort(torch.sort(-scores, stable=True).indices[: N - 1]).values
         row_of = torch.zeros(self.nodes + 1, dtype=torch.long, device=tokens.device)  # [nodes] (the root) stays row 0
         row_of[chosen] = self.rows[1:]
         verify_tokens = torch.cat([token[0], tokens.index_select(0, chosen)])  # (N,)
@@ -252,19 +250,6 @@ class StaticTree:
             tokens += emitted
             lengths.append(len(emitted))
         return SpecResult(tokens, time.perf_counter() - start_time, forwards, lengths, accepted_per_depth)
-
-
-def best_in_order(scores: torch.Tensor, count: int, ids: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """The indices of the `count` highest `scores` (n,), ties to the earlier, in increasing order: what
-    sorting the indices of a stable sort's first `count` gives. ids is arange(n), ranks arange(count).
-
-    Comparisons and sums only, which inductor fuses into a few kernels: the two sorts took PyTorch's radix sort for the
-    ~700 nodes of an (8, 10, 64) tree, 26 us of its round on an H200 (benchmarks/round_profile.py)."""
-    above = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (ids[None, :] < ids[:, None]))
-    kept = above.sum(1) < count  # (n,): among the best `count`
-    place = kept.cumsum(0) - 1  # each kept index's place in increasing order
-    hit = kept[None, :] & (place[None, :] == ranks[:, None])  # (count, n): one index per place
-    return torch.where(hit, ids[None, :], torch.zeros((), dtype=ids.dtype, device=ids.device)).sum(1)
 
 
 def tree_decode(target: StaticLlama, drafter: Eagle3Drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids,
