@@ -107,14 +107,25 @@ def test_a_chain_setting_runs_on_the_chain_rounds_which_draft_what_a_one_wide_tr
     assert max(chain.acceptance_lengths) > 1  # drafts were accepted: the comparison covers accepted paths
 
 
+def counted(pieces: dict, calls: Counter) -> dict:
+    """The same pieces, each counting its calls in `calls` by name."""
+    def counting(name, piece):
+        def run(*args):
+            calls[name] += 1
+            return piece(*args)
+        return run
+    return {name: counting(name, piece) for name, piece in pieces.items()}
+
+
 def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_rounds():
     """With compile, a tree round runs in fused pieces with no drafting work between them: the extend with the root's
     top-K, one piece per frontier step (the drafter's layer with its tree-slot writes, attention, output, top-K,
     scores, sort), the selection, the target's head and the accept with the next round's buffers; the tokens and
-    accepted lengths are the eager rounds'."""
-    model = tiny_target(vocab_size=300)
-    drafter = random_drafter(model, 100, scale=0.2)
-    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    accepted lengths are the eager rounds'. Five tokens, so that a random drafter's drafts are accepted: the
+    accept's next-round buffers decide what later rounds accept (an extend started late accepted less, losslessly)."""
+    model = tiny_target(vocab_size=5)
+    drafter = normed_drafter(model)
+    prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(11)).tolist()
     steps, topk, draft_tokens = 3, 2, 6
     eager = tree_decode(StaticLlama(model, capacity=128, cuda_graphs=False), drafter, prompt, 30, set(), steps, topk, draft_tokens)
     engine = StaticLlama(model, capacity=128, cuda_graphs=False, compile=True)
@@ -122,18 +133,11 @@ def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_roun
     shape = TreeShape(steps, topk, draft_tokens)
     eagle.trees[shape] = tree = StaticTree(eagle, shape)
     calls = Counter()
-
-    def counted(name, piece):
-        def run(*args):
-            calls[name] += 1
-            return piece(*args)
-        return run
-
-    eagle._fused = {name: counted(name, piece) for name, piece in eagle._fused.items()}
-    tree._fused = {name: counted(name, piece) for name, piece in tree._fused.items()}
-    engine._fused_head = counted("head", engine._fused_head)
+    eagle._fused, tree._fused = counted(eagle._fused, calls), counted(tree._fused, calls)
+    engine._fused_head = counted({"head": engine._fused_head}, calls)["head"]
     fused = tree_decode(engine, drafter, prompt, 30, set(), steps, topk, draft_tokens)
     assert fused.tokens == eager.tokens and fused.acceptance_lengths == eager.acceptance_lengths
+    assert max(eager.acceptance_lengths) > 1
     assert eagle.fusion_failure is None
     rounds = len(fused.acceptance_lengths)
     assert calls == {"_extend_top": rounds, "_step": rounds * (steps - 1), "_select": rounds, "head": rounds, "_accept": rounds}
@@ -238,11 +242,15 @@ def normed_drafter(model, scale: float = 0.2):
     return drafter.eval()
 
 
-def test_eagle31_norms_decode_alike_on_every_path():
-    """A drafter with norm_before_fc and norm_output: the static chain and tree equal transformers' chain and tree."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_eagle31_norms_decode_alike_on_every_path(compile):
+    """A drafter with norm_before_fc and norm_output: the static chain and tree, eager and in compiled pieces (as the
+    GPU config serves it since the norms were kept), equal transformers' chain and tree."""
     model = tiny_target(vocab_size=5)
     drafter = normed_drafter(model)
-    engine = StaticLlama(model, capacity=64, cuda_graphs=False)
+    engine = StaticLlama(model, capacity=256, cuda_graphs=False, compile=compile)
+    ran, eagle = Counter(), engine.drafter_for(drafter)
+    eagle._fused = counted(eagle._fused, ran)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(11)).tolist()
     greedy = greedy_decode(model, prompt, 40, set()).tokens
     chain_reference = speculative_decode(model, drafter, prompt, 40, set(), draft_tokens=3)
@@ -251,4 +259,5 @@ def test_eagle31_norms_decode_alike_on_every_path():
     tree_static = tree_decode(engine, drafter, prompt, 40, set(), 4, 3, 10)
     assert chain_static.tokens == chain_reference.tokens == tree_static.tokens == tree_reference.tokens == greedy
     assert chain_static.acceptance_lengths == chain_reference.acceptance_lengths and max(chain_static.acceptance_lengths) > 1
-    assert tree_static.acceptance_lengths == tree_reference.acceptance_lengths
+    assert tree_static.acceptance_lengths == tree_reference.acceptance_lengths and max(tree_static.acceptance_lengths) > 1
+    assert eagle.fusion_failure is None and (ran["_extend"] > 0) == compile  # compiled pieces ran, not an eager fallback

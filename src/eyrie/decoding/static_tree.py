@@ -209,7 +209,10 @@ class StaticTree:
         frontier, scores, tokens, last = self.piece("_extend_top", self.ext_aux, self.ext_ids, self.ext_start, self.ext_last,
                                                     self.extend_offsets, *drafter.cache)
         drafted = self._grow(frontier, scores, tokens, last)
-        current = target.position
+        # A copy: compiled, _accept moves target.position on in place, and inductor read an argument that aliased it
+        # after the move, so the next round's extend started accepted + 1 positions late (lossless, but fewer drafts
+        # accepted: a (3, 2, 6) tree 1.22 where eager rounds accept 1.39, tests/decoding/test_static_tree.py).
+        current = target.position.clone()
         ids, slots, verify_parents, verify_depths, ancestry, mask, cos, sin = self.piece(
             "_select", *drafted, target.token, current, target.slots, target.cos, target.sin)
         x, aux = target.run_layers(ids, slots, cos, sin, mask[:, :span], span, aux_layers=drafter.aux_layers, normed=False)
