@@ -86,7 +86,7 @@ class StaticTree:
         # token), node indices 0..K-1, no ancestors among the tree slots.
         self.root_parents = torch.full((K,), nodes, device=device)
         self.first_nodes = torch.arange(K, device=device)
-        self.no_ancestry = torch.zeros(K, self.tree_keys.shape[2], dtype=torch.bool, device=device)
+        self.no_ancestry = torch.zeros(K, tree_slots, dtype=torch.bool, device=device)
         self.extend_offsets = torch.arange(S + 1, device=device)
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}

@@ -92,7 +92,8 @@ def sorted_top_k(values: torch.Tensor, k: int, width: int = SORT_WIDTH) -> tuple
     ranked_top_k. A padding -inf comes after every value of the row, a real -inf included.
 
     Not top_k's way: in the tree rounds on an H200 (torch 2.11, twenty-second session) an (8, 10, 64) round took 4.12 ms
-    with it and the round's other changes of that session against 3.06 before them (docs/PERFORMANCE.md)."""
+    with it and the round's other changes of that session against 3.06 before them; those other changes, timed apart in
+    the twenty-third session, moved nothing and were reverted (docs/PERFORMANCE.md)."""
     rows, n = values.shape
     if not 0 < k <= min(n, width):
         raise ValueError(f"top {k} of rows of {n} in chunks of {width}")
