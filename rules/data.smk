@@ -18,8 +18,9 @@ for _dataset in DATASETS:
         params:
             dataset=_dataset,
             shards=prompt_shards(_dataset),
-            # rework left out while null: a run from before the option plans no new prompts job
-            spec=canonical({k: v for k, v in config["datasets"][_dataset].items() if k != "generation" and (k, v) != ("rework", None)}),
+            # rework left out while null and replies while target: a run from before the options plans no new prompts job
+            spec=canonical({k: v for k, v in config["datasets"][_dataset].items()
+                            if k != "generation" and (k, v) not in (("rework", None), ("replies", "target"))}),
             heldout_of=rework_heldout_of(_dataset),
         log:
             f"logs/prompts/{_dataset}.log",

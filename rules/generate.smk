@@ -3,6 +3,23 @@
 # or an SGLang server started and stopped by each job (sglang); the output is the same.
 
 
+def keeps_source_replies(dataset):
+    return config["datasets"][dataset]["replies"] == "source"
+
+
+def regenerate_threads(wildcards):
+    """A dataset that keeps its source's replies generates nothing: one thread."""
+    if keeps_source_replies(wildcards.dataset) or config["engine"]["kind"] != "transformers":
+        return 1
+    return workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)
+
+
+def regenerate_gpus(wildcards):
+    if keeps_source_replies(wildcards.dataset):
+        return 0
+    return {"openai": 0, "sglang": config["engine"]["sglang"]["tp_size"]}.get(config["engine"]["kind"], int(config["model"]["device"] != "cpu"))
+
+
 rule regenerate_shard:
     input:
         # The dataset's prompts job declares its summary (written last), not each shard: the job reads params.prompts.
@@ -21,12 +38,13 @@ rule regenerate_shard:
     # In process on the CPU a shard takes every core; on a GPU a few cores leave room for a second shard on
     # the same card (`--resources gpu=2`: on an H200 two static-batching jobs at a time generated 9.8-12.0K
     # tok/s each; claiming every core had run them one after another). A server engine's job only waits on HTTP.
-    threads: (workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)) if config["engine"]["kind"] == "transformers" else 1
+    # A dataset that keeps its source's replies generates nothing: one thread, no GPU, no server.
+    threads: regenerate_threads
     # What a cluster job asks for (profiles/slurm adds memory and time, docs/CLUSTER.md): no GPU when the shard only
     # talks to servers that already run; `--resources server_slots=N` caps the shards running at once.
     resources:
-        gpu={"openai": 0, "sglang": config["engine"]["sglang"]["tp_size"]}.get(config["engine"]["kind"], int(config["model"]["device"] != "cpu")),
-        server_slots=1,
+        gpu=regenerate_gpus,
+        server_slots=lambda wc: 0 if keeps_source_replies(wc.dataset) else 1,
     log:
         "logs/completions/{dataset}/{shard}.log",
     benchmark:

@@ -19,7 +19,8 @@ with job_log(snakemake.log[0]):
     if shard_answered(snakemake.params.prompts, snakemake.params.partial_dir, snakemake.params.settings, fingerprint):
         opened = nullcontext((None, load_tokenizer(snakemake.input.model, snakemake.params.model["trust_remote_code"])))
     else:
-        opened = open_engine(engine_config, snakemake.input.model, snakemake.params.model, snakemake.threads, server_log)
+        opened = open_engine(engine_config, snakemake.input.model, snakemake.params.model, snakemake.threads, server_log,
+                             replies=snakemake.params.settings.get("replies", "target"))
     with opened as (engine, tokenizer):
         regenerate_shard(
             prompts_path=snakemake.params.prompts,

@@ -109,6 +109,21 @@ def test_dataset_generation_overrides_only_that_dataset():
     assert cfg.generation_settings(checked, "sharegpt")["max_turns"] == 2
 
 
+def test_source_replies_change_only_their_dataset_settings_and_need_a_source_with_replies():
+    raw = tiny()
+    raw["datasets"]["local"]["replies"] = "source"
+    checked = cfg.validate(raw)
+    assert cfg.generation_settings(checked, "local")["replies"] == "source"
+    assert "replies" not in cfg.generation_settings(checked, "sharegpt")  # its settings key, and so its resume log, as before
+    raw["datasets"]["local"]["rework"] = {}
+    with pytest.raises(ConfigError, match="datasets.local.replies: source keeps the source's replies, and rework prompts have none"):
+        cfg.validate(raw)
+    raw = tiny()
+    raw["datasets"]["local"] = {"source": {"synthetic": {"count": 4}}, "replies": "source"}
+    with pytest.raises(ConfigError, match="datasets.local.replies: .*a synthetic source's prompts have none"):
+        cfg.validate(raw)
+
+
 def test_snakemake_refuses_an_invalid_config(tmp_path):
     from conftest import snakemake
 

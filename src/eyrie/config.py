@@ -91,6 +91,10 @@ def _check_consistency(config: dict, origin: str) -> None:
             if dataset["format"] == "sharegpt":
                 raise ConfigError(f"{origin}: datasets.{name}.format: a synthetic source is written in the openai shape; set format: auto or openai")
         _check_rework(config, name, dataset, origin)
+        if dataset["replies"] == "source" and ("synthetic" in dataset["source"] or dataset.get("rework") is not None):
+            made = "a synthetic source's prompts" if "synthetic" in dataset["source"] else "rework prompts"
+            raise ConfigError(f"{origin}: datasets.{name}.replies: source keeps the source's replies, and {made} have none; "
+                              "use replies: target (the target answers them)")
     if config["hidden"]["mode"] == "online" and config["hidden"]["dtype"] == "float8_e4m3fn":
         raise ConfigError(
             f"{origin}: hidden.dtype: float8_e4m3fn is how a cache is stored, and hidden.mode online stores none; use bfloat16 (the default) or float32"
@@ -150,6 +154,8 @@ def generation_settings(config: dict, dataset: str) -> dict[str, Any]:
     """The effective generation settings for one dataset: top-level values, then its overrides."""
     settings = dict(config["generation"])
     settings.update(config["datasets"][dataset].get("generation") or {})
+    if config["datasets"][dataset].get("replies") == "source":  # only then: other datasets' settings keys stay as they were
+        settings["replies"] = "source"
     return dict(sorted(settings.items()))
 
 

@@ -74,6 +74,37 @@ def test_roles_are_mapped_and_only_system_and_user_turns_are_kept(tmp_path):
                                      "bard": 1, "model": 1, "assistant": 2}
 
 
+def test_kept_replies_follow_their_user_turns_and_the_conversation_ends_at_the_first_unanswered_one(tmp_path):
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path, [
+        sharegpt("s", ("system", "be kind"), ("human", "q1"), ("gpt", "a1"), ("human", " "), ("gpt", "a2"),
+                 ("human", "q3"), ("human", "q4"), ("gpt", "a4")),
+        openai("o", ("user", "hello"), ("assistant", "hi"), ("user", "again")),
+    ])
+    summary = build(tmp_path, iter_file_records(path), keep_replies=True)
+    rows = all_rows(tmp_path)
+    # a2 answers an empty user turn (dropped), so it is no reply; q3 has none, so the conversation ends before it
+    assert rows["s"]["messages"] == [
+        {"role": "system", "content": "be kind"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+    ]
+    assert rows["o"]["messages"] == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    assert summary["replies"] == "source"
+
+
+def test_kept_replies_leave_ids_alone_and_a_record_without_any_is_a_bad_record(tmp_path):
+    records = [
+        RawRecord("line 1", openai(None, ("user", "same"), ("assistant", "an answer"))),
+        RawRecord("line 2", openai(None, ("user", "unanswered"), ("assistant", " "), ("user", "again"), ("assistant", "late"))),
+    ]
+    with pytest.raises(BadRecordError, match=r"line 2, field 'messages': no user turn with text is followed by an assistant reply"):
+        build(tmp_path, records, keep_replies=True)
+    summary = build(tmp_path, records, keep_replies=True, on_bad_record="skip")
+    assert summary["bad_records"] == {"no_source_reply": 1} and summary["used"] == 1
+    build(tmp_path, records[:1], out="prompts_only")
+    assert sorted(all_rows(tmp_path)) == sorted(all_rows(tmp_path, "prompts_only"))  # the derived id reads the prompt
+    assert "replies" not in json.loads((tmp_path / "prompts_only" / "summary.json").read_text())
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
 @pytest.mark.parametrize("shape", ["sharegpt", "openai"])
 def test_each_file_type_in_each_shape_gives_the_same_prompts(tmp_path, suffix, shape):

@@ -45,4 +45,5 @@ def build_prompts_for_dataset(
         synthetic=synthetic,
         rework=rework,
         dedupe_first_turn=spec.get("dedupe_first_turn", True),
+        keep_replies=spec.get("replies", "target") == "source",
     )

@@ -1,7 +1,9 @@
 """Turn raw records into prompt shards: normalise, drop duplicates, hold some out, shard by id.
 
 A prompt is the leading system turn (if any) plus the user turns in order; the
-assistant turns are dropped because the target model regenerates them. Which
+assistant turns are dropped because the target model regenerates them, unless the dataset
+keeps its source's replies (`replies: source`): then each user turn is followed by the reply
+the source gives it, and the conversation ends before the first user turn without one. Which
 shard a record lands in, and whether it is held out, depends on its id alone, so
 adding, removing or reordering other records never moves it.
 """
@@ -146,24 +148,43 @@ def _content_of(turn: dict, shape: str, where: str) -> str:
     return content
 
 
-def _prompt_messages(turns: list, shape: str) -> list[dict[str, str]]:
-    """System turn (only if first) plus the non-empty user turns; assistant turns are left for regeneration."""
+def _prompt_messages(turns: list, shape: str, keep_replies: bool = False) -> list[dict[str, str]]:
+    """System turn (only if first) plus the non-empty user turns; assistant turns are left for regeneration.
+
+    keep_replies: each user turn is followed by the non-empty assistant turn that answers it, and the messages end
+    before the first user turn that has none (a later reply would answer a question the conversation lost)."""
     turns_key = SHAPES[shape][0]
     messages = []
+    awaiting_reply = closed = False
     for index, turn in enumerate(turns):
         where = f"{turns_key}[{index}]"
         role = _role_of(turn, shape, where)
         content = _content_of(turn, shape, where)
         if role == "system" and index > 0:
             raise _Problem("misplaced_system", "a system turn may only come first", where)
-        if role == "system" or (role == "user" and content.strip()):
+        if closed:
+            continue  # every turn is still checked, none is kept
+        if role == "system":
             messages.append({"role": role, "content": content})
+        elif role == "user" and content.strip():
+            if keep_replies and awaiting_reply:  # two user turns in a row: the first has no reply
+                closed = True
+                continue
+            messages.append({"role": role, "content": content})
+            awaiting_reply = keep_replies
+        elif role == "assistant" and awaiting_reply and content.strip():
+            messages.append({"role": role, "content": content})
+            awaiting_reply = False
+    if awaiting_reply:
+        messages.pop()  # the last user turn kept has no reply
     if not any(message["role"] == "user" for message in messages):
+        if keep_replies and any(_role_of(t, shape, turns_key) == "user" for t in turns):
+            raise _Problem("no_source_reply", "no user turn with text is followed by an assistant reply with text (replies: source)", turns_key)
         raise _Problem("no_user_turn", "no user turn with text", turns_key)
     return messages
 
 
-def _normalise(data: Any, fmt: str) -> Prompt:
+def _normalise(data: Any, fmt: str, keep_replies: bool = False) -> Prompt:
     if not isinstance(data, dict):
         raise _Problem("not_an_object", f"a record must be a JSON object, got {type(data).__name__}")
     record_id = _raw_id(data)
@@ -173,9 +194,11 @@ def _normalise(data: Any, fmt: str) -> Prompt:
     if not isinstance(turns, list):
         got = "nothing" if turns_key not in data else type(turns).__name__
         raise _Problem("no_turn_list", f"expected a list of turns ({shape} format), got {got}", turns_key)
-    messages = _prompt_messages(turns, shape)
+    messages = _prompt_messages(turns, shape, keep_replies)
     n_user_turns = sum(message["role"] == "user" for message in messages)
-    return Prompt(record_id or _derived_id(messages), messages, n_user_turns)
+    # A derived id reads the prompt alone, so keeping the replies does not move a record between shards or splits.
+    prompt_only = [m for m in messages if m["role"] != "assistant"]
+    return Prompt(record_id or _derived_id(prompt_only), messages, n_user_turns)
 
 
 def _id_for_messages(data: Any) -> str | None:
@@ -186,12 +209,12 @@ def _id_for_messages(data: Any) -> str | None:
         return None
 
 
-def normalise_record(record: RawRecord, fmt: str, file: str) -> Prompt:
+def normalise_record(record: RawRecord, fmt: str, file: str, keep_replies: bool = False) -> Prompt:
     """The prompt in a raw record; raises BadRecord naming the file, the location, the id and the field."""
     if record.error is not None:
         raise record.error
     try:
-        return _normalise(record.data, fmt)
+        return _normalise(record.data, fmt, keep_replies)
     except _Problem as problem:
         raise BadRecord(problem.kind, file, record.location, problem.problem,
                         record_id=_id_for_messages(record.data), field=problem.field) from None
@@ -241,7 +264,8 @@ def first_turn_key(messages: list[dict[str, str]]) -> str:
     return json.dumps(head)
 
 
-def _collect(records: Iterable[RawRecord], fmt: str, file: str, on_bad_record: str, dedupe_first_turn: bool = False) -> _Collected:
+def _collect(records: Iterable[RawRecord], fmt: str, file: str, on_bad_record: str, dedupe_first_turn: bool = False,
+             keep_replies: bool = False) -> _Collected:
     """dedupe_first_turn: keep only the first record of each first_turn_key. ShareGPT repeats first turns (9% of its
     first 12,000 records; "continue" 142 times): a greedy target answers each copy alike, so they add no data, and a
     copy on each side of the held-out split lets the drafter be scored on replies it was trained on."""
@@ -252,7 +276,7 @@ def _collect(records: Iterable[RawRecord], fmt: str, file: str, on_bad_record: s
         collected.records_read += 1
         collected.roles_seen.update(_raw_roles(record.data))
         try:
-            prompt = normalise_record(record, fmt, file)
+            prompt = normalise_record(record, fmt, file, keep_replies)
         except BadRecord as error:
             if on_bad_record == "error":
                 raise
@@ -331,6 +355,7 @@ def build_prompts(
     synthetic: dict | None = None,
     rework: Any = None,
     dedupe_first_turn: bool = False,
+    keep_replies: bool = False,
 ) -> dict:
     """Normalise every record, keep the first `limit` distinct ones, and write shard, held-out and summary files.
 
@@ -342,7 +367,7 @@ def build_prompts(
     """
     _check_arguments(fmt, limit, n_shards, heldout_fraction, on_bad_record, shard_paths)
     source = source_label or getattr(records, "label", "<records>")
-    collected = _collect(records, fmt, source, on_bad_record, dedupe_first_turn)
+    collected = _collect(records, fmt, source, on_bad_record, dedupe_first_turn, keep_replies)
     truncation = getattr(records, "truncation", None)  # known only once the reader is exhausted
     if not collected.prompts:
         raise InputFileError(
@@ -379,6 +404,8 @@ def build_prompts(
         "truncation": truncation.as_dict() if truncation is not None else None,
         "roles_seen": dict(collected.roles_seen.most_common()),
     }
+    if keep_replies:  # only then: an unchanged summary of any other dataset reruns nothing downstream
+        summary["replies"] = "source"
     if synthetic is not None:
         summary["synthetic"] = synthetic
     if rework is not None:

@@ -63,6 +63,7 @@ class Conversation:
     system: list[dict]
     users: list[str]
     answered: list[dict] = field(default_factory=list)  # partial-log rows, in turn order
+    replies: list[str] = field(default_factory=list)  # the source's reply to each user turn (replies: source), else empty
 
     @property
     def ended(self) -> bool:
@@ -83,13 +84,16 @@ class Conversation:
 
 
 def load_conversations(prompts_path: str, max_turns: int) -> list[Conversation]:
-    """A prompt shard's prompts, nothing answered yet: the leading system turn and at most max_turns user turns."""
+    """A prompt shard's prompts, nothing answered yet: the leading system turn and at most max_turns user turns (and
+    the source's replies to them, where the prompts keep them)."""
     conversations = []
     prompts = read_parquet(prompts_path, written_by=f"build_prompts_{Path(prompts_path).parent.name}")
     for record in prompts.to_pylist():
         system = [m for m in record["messages"] if m["role"] == "system"][:1]
         users = [m["content"] for m in record["messages"] if m["role"] == "user"][:max_turns]
-        conversations.append(Conversation(record["id"], system, users))
+        # A dataset that keeps its source's replies has one after each user turn (eyrie.data.prompts); others have none.
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"][:max_turns]
+        conversations.append(Conversation(record["id"], system, users, replies=replies))
     return conversations
 
 

@@ -1,4 +1,7 @@
-"""Pick and open the regeneration engine the config names; every engine yields the same shard files."""
+"""Pick and open the regeneration engine the config names; every engine yields the same shard files.
+
+A dataset that keeps its source's replies (`replies: source`) is answered by eyrie.generation.source_replies whatever
+engine.kind says: it loads no model and starts no server."""
 
 from __future__ import annotations
 
@@ -8,9 +11,18 @@ from typing import Iterator
 
 
 @contextmanager
-def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threads: int, server_log: Path) -> Iterator[tuple[object, object]]:
-    """(engine, tokenizer) for engine.kind; a managed SGLang server lives exactly as long as the block."""
+def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threads: int, server_log: Path,
+                replies: str = "target") -> Iterator[tuple[object, object]]:
+    """(engine, tokenizer) for engine.kind, or for the dataset's `replies: source`; a managed SGLang server lives
+    exactly as long as the block."""
     kind = engine_config["kind"]
+    if replies == "source":
+        from eyrie.generation.source_replies import SourceReplies
+        from eyrie.target.model import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir, model_settings["trust_remote_code"])
+        yield SourceReplies(tokenizer), tokenizer
+        return
     if kind == "transformers":
         import torch
 
