@@ -109,6 +109,23 @@ def test_partial_logs_count_finished_turns_but_not_error_rows(tmp_path):
     assert "measured on 3 finished turns" in text and "90% range" in text
 
 
+def test_a_dataset_that_keeps_its_source_replies_takes_no_generation_time_and_leaves_the_rate_alone(tmp_path):
+    config = setup(tmp_path)
+    config["datasets"]["kept"] = cfg.validate({**config, "datasets": {
+        "kept": {"source": {"file": "x.jsonl"}, "replies": "source", "shards": 1, "limit": 40, "heldout_fraction": 0.0}}})["datasets"]["kept"]
+    fingerprint = model_fingerprint(tmp_path / "model")
+    write_prompts(tmp_path, "0000", {"a": 2, "c": 2})
+    PartialLog(tmp_path / f"results/partial/completions/d/0000/{settings_key(cfg.generation_settings(config, 'd'), fingerprint)}.jsonl").append(
+        [row("a", 0, tokens=80), row("a", 1, tokens=120)])
+    kept_log = tmp_path / f"results/partial/completions/kept/0000/{settings_key(cfg.generation_settings(config, 'kept'), fingerprint)}.jsonl"
+    PartialLog(kept_log).append([row("k", 0, tokens=500, seconds=0.0)])  # counted in no seconds, as the source engine writes
+    table, summary = build_plan(config, tmp_path)
+    by = {(r["dataset"], r["shard"]): r for r in table.to_dict("records")}
+    assert summary["tokens_per_second"] == 200 / 2.0  # the generated turns' rate alone
+    assert by[("kept", "0000")]["hours_left"] == by[("kept", "0000")]["hours_high"] == 0.0
+    assert by[("kept", "0000")]["tokens_left"] > 0 and by[("d", "0000")]["hours_left"] > 0
+
+
 def test_planned_outputs_list_every_file_in_build_order_and_mark_a_temporary_cache(tmp_path):
     from eyrie.plan import planned_outputs
 

@@ -254,7 +254,10 @@ def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, d
 
         model_fp = model_fingerprint(target)
     shards = [plan_shard(workdir, config, d, s, model_fp) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]
-    rates = measured_rates(shards, config)
+    # A dataset that keeps its source's replies generates nothing: its turns take no generation time, and its shards'
+    # tokens (counted in no seconds) must not raise the rate measured on the generated ones.
+    kept = {d for d in config["datasets"] if config["datasets"][d].get("replies") == "source"}
+    rates = measured_rates([s for s in shards if s.dataset not in kept], config)
 
     built = [s for s in shards if s.prompts]
     turns_per_prompt = sum(s.turns for s in built) / sum(s.prompts for s in built) if built else config["generation"]["max_turns"]
@@ -269,6 +272,11 @@ def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, d
             prompts_shown = "?" if expected is None else f"~{expected:.0f}"
             left = "?" if expected is None else round(expected)
         tokens = None if turns_left is None else [turns_left * t for t in rates.tokens_per_turn]
+        hours = None if tokens is None else (0.0, 0.0, 0.0) if s.dataset in kept else (
+            tokens[0] / rates.tokens_per_second[0] / 3600,
+            tokens[1] / rates.tokens_per_second[2] / 3600,  # fewest tokens at the fastest rate .. most at the slowest
+            tokens[2] / rates.tokens_per_second[1] / 3600,
+        )
         rows.append(
             {
                 "dataset": s.dataset,
@@ -279,10 +287,9 @@ def build_plan(config: dict, workdir: str | Path = ".") -> tuple[pd.DataFrame, d
                 "left": left,
                 "turns_left": None if turns_left is None else round(turns_left),
                 "tokens_left": None if tokens is None else round(tokens[0]),
-                "hours_left": None if tokens is None else tokens[0] / rates.tokens_per_second[0] / 3600,
-                # Fewest tokens at the fastest rate .. most tokens at the slowest.
-                "hours_low": None if tokens is None else tokens[1] / rates.tokens_per_second[2] / 3600,
-                "hours_high": None if tokens is None else tokens[2] / rates.tokens_per_second[1] / 3600,
+                "hours_left": None if hours is None else hours[0],
+                "hours_low": None if hours is None else hours[1],
+                "hours_high": None if hours is None else hours[2],
             }
         )
     table = pd.DataFrame(rows)
