@@ -72,7 +72,7 @@ def _summary(dataset: str) -> dict:
             "truncation": {"byte_offset": 123456, "line": 789, "records_before": 780}, "roles_seen": {"human": 780, "gpt": 779, "robot": 1}}
 
 
-def _completion_table(dataset: str, shard: str, rows: list, template: str) -> pa.Table:
+def _completion_table(dataset: str, shard: str, rows: list, template: str, kept_replies: bool = False) -> pa.Table:
     records = [
         {
             "id": rid, "dataset": dataset,
@@ -82,7 +82,7 @@ def _completion_table(dataset: str, shard: str, rows: list, template: str) -> pa
         }
         for rid, user, comp, prompt, why, secs in rows
     ]
-    settings = dict(SETTINGS, max_new_tokens=64 if dataset == "sharegpt" else 256)
+    settings = dict(SETTINGS, max_new_tokens=64 if dataset == "sharegpt" else 256, **({"replies": "source"} if kept_replies else {}))
     stats = {"records": len(rows), "turns": sum(len(r[2]) for r in rows), "completion_tokens": sum(sum(r[2]) for r in rows),
              "prompt_tokens": sum(sum(r[3]) for r in rows), "generation_seconds": sum(r[5] for r in rows),
              "tokens_per_second": 0.0, "finish_reasons": {}, "resumed_turns": 0}
@@ -103,7 +103,7 @@ def _token_table(dataset: str, shard: str, rows: list, template: str) -> pa.Tabl
     return pa.Table.from_pylist(records, schema=TOKEN_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
 
 
-def _inputs(root: Path, token_templates: dict | None = None) -> tuple[dict, list[str], list[str], list[str]]:
+def _inputs(root: Path, token_templates: dict | None = None, kept_replies: tuple[str, ...] = ()) -> tuple[dict, list[str], list[str], list[str]]:
     """Fake stage outputs under root/results; token_templates overrides a token shard's template_sha256."""
     summaries, completions, tokens = [], [], []
     for dataset in ("chat", "sharegpt"):
@@ -114,7 +114,7 @@ def _inputs(root: Path, token_templates: dict | None = None) -> tuple[dict, list
     for (dataset, shard), rows in COMPLETIONS.items():
         path = root / "results" / "completions" / dataset / f"{shard}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(_completion_table(dataset, shard, rows, SHA_A), path)
+        pq.write_table(_completion_table(dataset, shard, rows, SHA_A, dataset in kept_replies), path)
         completions.append(str(path))
     for (dataset, shard), rows in TOKENS.items():
         path = root / "results" / "tokens" / dataset / f"{shard}.parquet"
@@ -171,6 +171,18 @@ def test_regeneration_numbers(html):
     assert "75.0%" in html  # sharegpt: 3 of 4 turns hit the length limit
     assert "consider raising generation.max_new_tokens (now 64)" in html
     assert html.count('class="hint"') == 1  # chat's 1 of 6 is under the threshold
+
+
+def test_a_dataset_that_kept_its_source_replies_says_so_and_a_config_that_no_longer_does_is_warned(tmp_path):
+    config, summaries, completions, tokens = _inputs(tmp_path, kept_replies=("sharegpt",))
+    config["datasets"]["sharegpt"]["replies"] = "source"
+    write_report(config, summaries, completions, tokens, str(tmp_path / "kept.html"))
+    page = (tmp_path / "kept.html").read_text(encoding="utf-8")
+    assert "<strong>sharegpt:</strong> the source's own replies, kept as they are" in page and "WARNING" not in page
+    assert "<strong>chat:</strong> the source's own replies" not in page
+    config["datasets"]["sharegpt"]["replies"] = "target"
+    write_report(config, summaries, completions, tokens, str(tmp_path / "changed.html"))
+    assert "replies: made with &#39;source&#39;, config now &#39;target&#39;" in (tmp_path / "changed.html").read_text(encoding="utf-8")
 
 
 def test_tokens_numbers_and_no_warning_when_templates_agree(html):

@@ -260,6 +260,7 @@ def _completion_dataset(name: str, shards: list[dict], config: dict, warnings: l
         "histogram": _histogram(lengths, settings.get("max_new_tokens")),
         "settings": settings,
         "settings_source": settings_source,
+        "replies": settings.get("replies", "target"),
         "model_fingerprint": distinct(s["meta"].get("model_fingerprint") for s in shards),
         "template_sha256": distinct(s["meta"].get("template_sha256") for s in shards),
         "templates_by_shard": {s["shard"]: s["meta"].get("template_sha256") for s in shards},
@@ -344,7 +345,12 @@ def _effective_settings(name: str, shards: list[dict], config: dict, warnings: l
     if len({json.dumps(r, sort_keys=True) for r in recorded}) > 1:
         warn(warnings, "regeneration", f"{name}: completion shards were generated with different settings")
     used = dict(sorted(recorded[0].items()))
+    # replies is recorded only where a dataset keeps its source's (eyrie.config.generation_settings): compared both ways.
     changed = [k for k in configured if k in used and configured[k] != used[k]]
+    if configured.get("replies", "target") != used.get("replies", "target"):
+        changed.append("replies")
+        used.setdefault("replies", "target")
+        configured.setdefault("replies", "target")
     if changed:
         diff = ", ".join(f"{k}: made with {used[k]!r}, config now {configured[k]!r}" for k in changed)
         warn(warnings, "regeneration", f"{name}: config no longer matches the completions ({diff}); a rerun regenerates them")
@@ -353,7 +359,10 @@ def _effective_settings(name: str, shards: list[dict], config: dict, warnings: l
 
 def _configured_settings(config: dict, dataset: str) -> dict:
     settings = dict(config.get("generation") or {})
-    settings.update(((config.get("datasets") or {}).get(dataset) or {}).get("generation") or {})
+    spec = (config.get("datasets") or {}).get(dataset) or {}
+    settings.update(spec.get("generation") or {})
+    if spec.get("replies") == "source":
+        settings["replies"] = "source"
     return dict(sorted(settings.items()))
 
 
