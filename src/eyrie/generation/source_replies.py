@@ -42,7 +42,8 @@ class SourceReplies:
                 row = self.answer(conversation, len(conversation.answered), settings)
                 conversation.answered.append(row)
                 rows.append(row)
-            log.append(rows)  # one conversation at a time: a kill loses at most the one in hand
+            if rows:  # one conversation at a time: a kill loses at most the one in hand
+                log.append(rows)
             for row in rows:
                 progress.turn_done(conversation, row)
         wall = time.perf_counter() - started
