@@ -155,7 +155,7 @@ def _prompt_messages(turns: list, shape: str, keep_replies: bool = False) -> lis
     before the first user turn that has none (a later reply would answer a question the conversation lost)."""
     turns_key = SHAPES[shape][0]
     messages = []
-    awaiting_reply = closed = False
+    awaiting_reply = closed = asked = False
     for index, turn in enumerate(turns):
         where = f"{turns_key}[{index}]"
         role = _role_of(turn, shape, where)
@@ -167,6 +167,7 @@ def _prompt_messages(turns: list, shape: str, keep_replies: bool = False) -> lis
         if role == "system":
             messages.append({"role": role, "content": content})
         elif role == "user" and content.strip():
+            asked = True
             if keep_replies and awaiting_reply:  # two user turns in a row: the first has no reply
                 closed = True
                 continue
@@ -178,7 +179,7 @@ def _prompt_messages(turns: list, shape: str, keep_replies: bool = False) -> lis
     if awaiting_reply:
         messages.pop()  # the last user turn kept has no reply
     if not any(message["role"] == "user" for message in messages):
-        if keep_replies and any(_role_of(t, shape, turns_key) == "user" for t in turns):
+        if asked:  # only keep_replies drops a user turn with text
             raise _Problem("no_source_reply", "no user turn with text is followed by an assistant reply with text (replies: source)", turns_key)
         raise _Problem("no_user_turn", "no user turn with text", turns_key)
     return messages
