@@ -129,6 +129,23 @@ def rework_heldout_of(dataset):
     return [other, config["datasets"][other]["heldout_fraction"]] if other else None
 
 
+def keeps_source_replies(dataset):
+    return config["datasets"][dataset]["replies"] == "source"
+
+
+def regenerate_threads(wildcards):
+    """A dataset that keeps its source's replies generates nothing: one thread."""
+    if keeps_source_replies(wildcards.dataset) or config["engine"]["kind"] != "transformers":
+        return 1
+    return workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)
+
+
+def regenerate_gpus(wildcards):
+    if keeps_source_replies(wildcards.dataset):
+        return 0
+    return {"openai": 0, "sglang": config["engine"]["sglang"]["tp_size"]}.get(config["engine"]["kind"], int(config["model"]["device"] != "cpu"))
+
+
 def prompt_shards(dataset):
     return [f"results/prompts/{dataset}/{shard}.parquet" for shard in shards(dataset)]
 

@@ -3,23 +3,6 @@
 # or an SGLang server started and stopped by each job (sglang); the output is the same.
 
 
-def keeps_source_replies(dataset):
-    return config["datasets"][dataset]["replies"] == "source"
-
-
-def regenerate_threads(wildcards):
-    """A dataset that keeps its source's replies generates nothing: one thread."""
-    if keeps_source_replies(wildcards.dataset) or config["engine"]["kind"] != "transformers":
-        return 1
-    return workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)
-
-
-def regenerate_gpus(wildcards):
-    if keeps_source_replies(wildcards.dataset):
-        return 0
-    return {"openai": 0, "sglang": config["engine"]["sglang"]["tp_size"]}.get(config["engine"]["kind"], int(config["model"]["device"] != "cpu"))
-
-
 rule regenerate_shard:
     input:
         # The dataset's prompts job declares its summary (written last), not each shard: the job reads params.prompts.
