@@ -114,7 +114,7 @@ def main() -> None:
             min(n for _, n, _ in measured) <= tokens <= max(n for _, n, _ in measured) and \
             min(k for _, k, _ in gpu) <= topk <= max(k for _, k, _ in gpu)
         rows.append({"shape": [steps, topk, tokens], "cpu_acceptance": acceptance, "rounds": len(lengths),
-                     "gpu_acceptance": gpu.get((steps, topk, tokens), {}).get("mean_acceptance_length"),
+                     "bench_acceptance": gpu.get((steps, topk, tokens), {}).get("mean_acceptance_length"),
                      "predicted_ms_per_round": ms, "extrapolated": None if ms is None else not inside, "cpu_seconds": time.perf_counter() - started})
         print(json.dumps(rows[-1]), flush=True)
 
@@ -123,12 +123,12 @@ def main() -> None:
         print("| shape | acceptance | the benchmark's own (its sweep prompts) | rounds | seconds |")
         print("|---|---|---|---|---|")
         for r in rows:
-            print(f"| ({', '.join(map(str, r['shape']))}) | {r['cpu_acceptance']:.3f} | {r['gpu_acceptance'] or float('nan'):.3f} | "
+            print(f"| ({', '.join(map(str, r['shape']))}) | {r['cpu_acceptance']:.3f} | {r['bench_acceptance'] or float('nan'):.3f} | "
                   f"{r['rounds']} | {r['cpu_seconds']:.1f} |")
         return
 
-    # The CPU's float32 replies are not the GPU's bf16 ones: scale by the measured shapes' GPU / CPU acceptance.
-    pairs = [(r["gpu_acceptance"], r["cpu_acceptance"]) for r in rows if r["gpu_acceptance"]]
+    # The CPU's float32 replies are not the GPU's bf16 ones: scale by the measured shapes' GPU (the benchmark's) / CPU acceptance.
+    pairs = [(r["bench_acceptance"], r["cpu_acceptance"]) for r in rows if r["bench_acceptance"]]
     scale = sum(g for g, _ in pairs) / sum(x for _, x in pairs)
     print(f"\n{label} on the CPU, {len(ids)} prompts x {max_new_tokens} tokens; GPU / CPU acceptance over the measured shapes {scale:.3f}")
     print("| shape | CPU acceptance | GPU acceptance | ms a round (GPU, the line) | tok/s (measured or predicted) | over the n-gram |")
@@ -139,7 +139,7 @@ def main() -> None:
         tokens_per_s = measured_setting["tokens_per_s"] if measured_setting else \
             1000 * r["cpu_acceptance"] * scale / r["predicted_ms_per_round"]
         shape = "(" + ", ".join(map(str, r["shape"])) + ")"
-        print(f"| {shape} | {r['cpu_acceptance']:.3f} | {r['gpu_acceptance'] or float('nan'):.3f} | "
+        print(f"| {shape} | {r['cpu_acceptance']:.3f} | {r['bench_acceptance'] or float('nan'):.3f} | "
               f"{r['predicted_ms_per_round']:.3f}{' (extrapolated)' if r['extrapolated'] else ''} | {tokens_per_s:.0f} | "
               f"{tokens_per_s / ngram_tokens_per_s:.3f} |")
 
