@@ -216,3 +216,30 @@ def test_a_summary_of_counts_without_the_copy_rows_reports_no_copy_slice():
     summary = acceptance_summary([[1, 1]] * 8, source="held-out cache samples", samples=1)
     assert summary["copy"]["positions"] == 0 and summary["copy"]["lookup_accepted"] is None
     assert "prompt lookup copies" not in acceptance_line({**summary, "epoch": 1})
+
+
+@pytest.mark.parametrize("widths", [(3, 4)])
+def test_the_one_step_tree_walk_equals_the_served_tree_on_the_same_tokens(monkeypatch, widths):
+    """A served (1, N, N) tree accepts its draft when the target's token is among the drafter's top N - 1 (the N
+    verified tokens hold the bonus token): the walk over first replies, replayed on the tokens the tree decoded, gives
+    its rounds and acceptance length."""
+    import eyrie.training.acceptance as acceptance
+    from eyrie.decoding.decode import tree_decode
+
+    monkeypatch.setattr(acceptance, "TREE_WIDTHS", widths)  # the vocabulary of 4 leaves no room for 10 or 32: top 2 and 3
+    model = tiny_target()
+    drafter = random_drafter(model)
+    prompt = [1, 2, 3, 0, 0, 2]
+    lengths = []
+    for i, width in enumerate(widths):
+        served = tree_decode(model, drafter, prompt, 40, set(), 1, width, width)
+        counts = counts_on(model, drafter, prompt + served.tokens, [(len(prompt), len(prompt) + len(served.tokens))], 1)
+        summary = acceptance_summary(counts.tolist(), source="served", samples=1)
+        walked = summary["one_step_trees"]["walked_first_turn_length"][i]
+        # The decoder's last round may be cut by max_new_tokens; the walk stops two positions before the tokens do.
+        assert abs(int(counts[acceptance.TREE_FIRST_ROUNDS + i, 0]) - served.rounds) <= 2
+        assert walked == pytest.approx(sum(served.acceptance_lengths) / served.rounds, abs=0.05)
+        lengths.append(walked)
+    top1 = acceptance_summary(counts.tolist(), source="served", samples=1)["walked_first_turn_length"][0]
+    assert top1 < lengths[0] < lengths[1] < 2.0  # wider trees accept more, and not every round
+    assert f"(1, {widths[1]}, {widths[1]}) {lengths[1]:.2f}" in acceptance_line({**summary, "epoch": 1})

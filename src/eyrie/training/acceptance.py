@@ -52,11 +52,17 @@ from eyrie.training.copyable import COPY_MIN_RUN
 from eyrie.training.objective import needed_targets, shift_left, step_targets, target_distribution, ttt_hidden
 
 HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED, FIRST_ROUNDS, FIRST_EMITTED, COPY_POSITIONS, COPY_DRAFTER, COPY_LOOKUP = range(11)
+# One-step trees (1, N, N): N verified tokens are the bonus token and the drafter's top N - 1 first drafts, so a round
+# accepts one draft when the target's token is among them. The CPU default's sweep serves these (its drafts past the
+# first are ~never accepted).
+TREE_WIDTHS = (10, 32)
+TREE_FIRST_ROUNDS, TREE_FIRST_EMITTED = 11, 11 + len(TREE_WIDTHS)
 # rows of the count tensor, one column per TTT step (ROUNDS and EMITTED: column k - 1 holds the walked chain of k
 # drafts; FIRST_*: the same over each sample's first assistant reply; COPY_*: the copy slice, its drafter column k - 1
-# for a chain of k)
+# for a chain of k; TREE_FIRST_*: row + i, column 0, the walked one-step tree (1, N, N), N = TREE_WIDTHS[i], over first replies)
 ROWS = ("hits", "count", "chain_hits", "chain_reach", "rounds", "emitted", "first_rounds", "first_emitted",
-        "copy_positions", "copy_drafter", "copy_lookup")
+        "copy_positions", "copy_drafter", "copy_lookup", *(f"tree_first_rounds_{w}" for w in TREE_WIDTHS),
+        *(f"tree_first_emitted_{w}" for w in TREE_WIDTHS))
 LOOKUP_K = 8  # prompt lookup's drafts per round: the n-gram baseline's fastest on all three H200 benchmarks
 COPY_MIN_DRAFTS = COPY_MIN_RUN  # a round start belongs to the copy slice when prompt lookup would have this many drafts accepted
 
@@ -96,11 +102,15 @@ def walk_rounds(runs: list[int], starts: list[bool], k: int) -> tuple[int, int]:
 def batch_counts(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool) -> torch.Tensor:
     """[8, steps] int64 of one batch: per step hits and measured positions, the chain's hits and reach, and the walked
     chains' rounds and emitted tokens, over every turn and over first replies (see the module docstring)."""
-    counts, runs, starts, first_starts = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d, steps=steps,
-                                                        attention=attention, use_bf16=use_bf16)
+    counts, runs, starts, first_starts, top_hits = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d,
+                                                                  steps=steps, attention=attention, use_bf16=use_bf16)
     rows = zip(runs.tolist(), starts.tolist(), first_starts.tolist(), batch["input_ids"].tolist(), batch["loss_mask"].tolist(),
-               batch["lengths"].tolist())
-    for sample_runs, sample_starts, sample_first, ids, mask, length in rows:
+               batch["lengths"].tolist(), top_hits.tolist())
+    for sample_runs, sample_starts, sample_first, ids, mask, length, sample_top in rows:
+        for i, hits in enumerate(sample_top):  # a one-step tree walks like a chain of one draft that hits on a top N - 1 hit
+            rounds, emitted = walk_rounds(hits, sample_first, 1)
+            counts[TREE_FIRST_ROUNDS + i, 0] += rounds
+            counts[TREE_FIRST_EMITTED + i, 0] += emitted
         for k in range(1, steps + 1):
             for rounds_row, emitted_row, where in ((ROUNDS, EMITTED, sample_starts), (FIRST_ROUNDS, FIRST_EMITTED, sample_first)):
                 rounds, emitted = walk_rounds(sample_runs, where, k)
@@ -138,8 +148,8 @@ def first_reply_walks(model, batch: dict, *, target_lm_head, draft_ids, t2d, ste
     """Per row of the batch: its first assistant reply's walked chains, {"rounds": [...], "emitted": [...]} for k = 1..steps
     (the per-sample terms of walked_first_turn_length), with the prompt before that reply ("prompt_ids") and the reply's
     length in tokens ("reply_tokens"): what a decoder serving the prompt replays (eyrie.training.parity_samples)."""
-    _, runs, _, first_starts = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d, steps=steps,
-                                              attention=attention, use_bf16=use_bf16)
+    _, runs, _, first_starts, _ = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d, steps=steps,
+                                                 attention=attention, use_bf16=use_bf16)
     reply = first_reply(batch["loss_mask"])
     walks = []
     for row, (sample_runs, sample_first) in enumerate(zip(runs.tolist(), first_starts.tolist())):
@@ -151,8 +161,9 @@ def first_reply_walks(model, batch: dict, *, target_lm_head, draft_ids, t2d, ste
 
 
 def _hits_and_runs(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool):
-    """(counts [8, steps] with the per-step rows filled, runs [B, L]: consecutive draft hits from each position, starts [B, L]:
-    where a round can start, first_starts [B, L]: the same within the first reply)."""
+    """(counts [len(ROWS), steps] with the per-step rows filled, runs [B, L]: consecutive draft hits from each position,
+    starts [B, L]: where a round can start, first_starts [B, L]: the same within the first reply, top_hits
+    [B, len(TREE_WIDTHS), L]: 1 where the first draft's top N - 1 hold the target's token)."""
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
     _, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
     device_type = batch["aux"].device.type
@@ -162,10 +173,16 @@ def _hits_and_runs(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps:
         outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, steps, attention=attention)
         chain = torch.ones_like(loss_mask)  # positions whose drafts so far all hit
         runs = torch.zeros(loss_mask.shape, dtype=torch.int64, device=loss_mask.device)
+        top_hits = torch.zeros((loss_mask.shape[0], len(TREE_WIDTHS), loss_mask.shape[1]), dtype=torch.int64, device=loss_mask.device)
         for j, out in enumerate(outs):
             valid, _, arg = step_targets(j, target_row, target_arg, loss_mask, lengths)
             hit = torch.zeros_like(valid)
-            hit[valid] = model.head(out[valid]).argmax(-1) == arg[valid]
+            logits = model.head(out[valid])
+            hit[valid] = logits.argmax(-1) == arg[valid]
+            if j == 0:
+                for i, width in enumerate(TREE_WIDTHS):
+                    top = logits.topk(min(width - 1, logits.shape[-1]), dim=-1).indices
+                    top_hits[:, i][valid] = (top == arg[valid][:, None]).any(-1).long()
             reach = chain & valid
             chain = reach & hit
             counts[:CHAIN_REACH + 1, j] = torch.stack([hit.sum(), valid.sum(), chain.sum(), reach.sum()])
@@ -174,7 +191,7 @@ def _hits_and_runs(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps:
     # A round starts where the bonus token t+1 and the next token t+2 are assistant tokens (a stop ends decoding).
     starts = shift_left(loss_mask, 1, False) & shift_left(loss_mask, 2, False) & (torch.arange(L, device=loss_mask.device)[None, :] + 2 < lengths[:, None])
     first_starts = starts & shift_left(first_reply(loss_mask), 2, False)
-    return counts, runs, starts, first_starts
+    return counts, runs, starts, first_starts, top_hits
 
 
 def first_reply(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -229,6 +246,8 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
     rounds, emitted = totals[4:6] if len(totals) >= 6 else (none, none)
     first_rounds, first_emitted = totals[6:8] if len(totals) >= 8 else (none, none)
     copy_positions, copy_drafter, copy_lookup = totals[8:11] if len(totals) >= 11 else (none, none, none)
+    widths = len(TREE_WIDTHS)
+    has_trees = len(totals) >= TREE_FIRST_EMITTED + widths  # counts written before the one-step trees have none
 
     def ratio(a, b):
         return a / b if b else None
@@ -253,6 +272,11 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
             "lookup_k": LOOKUP_K,
             "min_lookup_drafts": COPY_MIN_DRAFTS,
         },
+        # The walked acceptance of a one-step tree (1, K, K) over first replies, as the benchmark serves it.
+        "one_step_trees": {
+            "topk": list(TREE_WIDTHS),
+            "walked_first_turn_length": [ratio(totals[TREE_FIRST_EMITTED + i][0], totals[TREE_FIRST_ROUNDS + i][0]) for i in range(widths)],
+        } if has_trees else None,
         "eval_samples": samples,
         "source": source,
         "seconds": seconds,
@@ -280,10 +304,18 @@ def acceptance_line(result: dict) -> str:
         f"walked over first replies {figures(result.get('walked_first_turn_length') or [], 2)}; "
         f"step accuracy {figures(result['per_step_accuracy'], 3)} "
         f"({result['eval_samples']} {result['source']})"
+        + _trees_line(result.get("one_step_trees"))
         + copy_line(result.get("copy"))
         + "".join(f"; {name} alone, walked over first replies {figures(d.get('walked_first_turn_length') or [], 2)} ({d['eval_samples']})"
                   + _dataset_copy(d.get("copy")) for name, d in (result.get("by_dataset") or {}).items())
     )
+
+
+def _trees_line(trees: dict | None) -> str:
+    if not trees:
+        return ""
+    return "; one-step trees over first replies " + ", ".join(
+        f"(1, {k}, {k}) {'n/a' if v is None else f'{v:.2f}'}" for k, v in zip(trees["topk"], trees["walked_first_turn_length"]))
 
 
 def _dataset_copy(copy: dict | None) -> str:
