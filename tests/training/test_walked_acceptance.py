@@ -226,7 +226,7 @@ def test_the_one_step_tree_walk_equals_the_served_tree_on_the_same_tokens(monkey
     import eyrie.training.acceptance as acceptance
     from eyrie.decoding.decode import tree_decode
 
-    monkeypatch.setattr(acceptance, "TREE_WIDTHS", widths)  # the vocabulary of 4 leaves no room for 10 or 32: top 2 and 3
+    monkeypatch.setattr(acceptance, "ONE_STEP_TREES", widths)  # the vocabulary of 4 leaves no room for 10 or 32: top 2 and 3
     model = tiny_target()
     drafter = random_drafter(model)
     prompt = [1, 2, 3, 0, 0, 2]

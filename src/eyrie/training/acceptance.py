@@ -55,14 +55,14 @@ HITS, COUNT, CHAIN_HITS, CHAIN_REACH, ROUNDS, EMITTED, FIRST_ROUNDS, FIRST_EMITT
 # One-step trees (1, N, N): N verified tokens are the bonus token and the drafter's top N - 1 first drafts, so a round
 # accepts one draft when the target's token is among them. The CPU default's sweep serves these (its drafts past the
 # first are ~never accepted).
-TREE_WIDTHS = (10, 32)
-TREE_FIRST_ROUNDS, TREE_FIRST_EMITTED = 11, 11 + len(TREE_WIDTHS)
+ONE_STEP_TREES = (10, 32)
+TREE_FIRST_ROUNDS, TREE_FIRST_EMITTED = 11, 11 + len(ONE_STEP_TREES)
 # rows of the count tensor, one column per TTT step (ROUNDS and EMITTED: column k - 1 holds the walked chain of k
 # drafts; FIRST_*: the same over each sample's first assistant reply; COPY_*: the copy slice, its drafter column k - 1
-# for a chain of k; TREE_FIRST_*: row + i, column 0, the walked one-step tree (1, N, N), N = TREE_WIDTHS[i], over first replies)
+# for a chain of k; TREE_FIRST_*: row + i, column 0, the walked one-step tree (1, N, N), N = ONE_STEP_TREES[i], over first replies)
 ROWS = ("hits", "count", "chain_hits", "chain_reach", "rounds", "emitted", "first_rounds", "first_emitted",
-        "copy_positions", "copy_drafter", "copy_lookup", *(f"tree_first_rounds_{w}" for w in TREE_WIDTHS),
-        *(f"tree_first_emitted_{w}" for w in TREE_WIDTHS))
+        "copy_positions", "copy_drafter", "copy_lookup", *(f"tree_first_rounds_{w}" for w in ONE_STEP_TREES),
+        *(f"tree_first_emitted_{w}" for w in ONE_STEP_TREES))
 LOOKUP_K = 8  # prompt lookup's drafts per round: the n-gram baseline's fastest on all three H200 benchmarks
 COPY_MIN_DRAFTS = COPY_MIN_RUN  # a round start belongs to the copy slice when prompt lookup would have this many drafts accepted
 
@@ -100,7 +100,7 @@ def walk_rounds(runs: list[int], starts: list[bool], k: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def batch_counts(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool) -> torch.Tensor:
-    """[8, steps] int64 of one batch: per step hits and measured positions, the chain's hits and reach, and the walked
+    """[len(ROWS), steps] int64 of one batch: per step hits and measured positions, the chain's hits and reach, and the walked
     chains' rounds and emitted tokens, over every turn and over first replies (see the module docstring)."""
     counts, runs, starts, first_starts, top_hits = _hits_and_runs(model, batch, target_lm_head=target_lm_head, draft_ids=draft_ids, t2d=t2d,
                                                                   steps=steps, attention=attention, use_bf16=use_bf16)
@@ -163,7 +163,7 @@ def first_reply_walks(model, batch: dict, *, target_lm_head, draft_ids, t2d, ste
 def _hits_and_runs(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps: int, attention: str, use_bf16: bool):
     """(counts [len(ROWS), steps] with the per-step rows filled, runs [B, L]: consecutive draft hits from each position,
     starts [B, L]: where a round can start, first_starts [B, L]: the same within the first reply, top_hits
-    [B, len(TREE_WIDTHS), L]: 1 where the first draft's top N - 1 hold the target's token)."""
+    [B, len(ONE_STEP_TREES), L]: 1 where the first draft's top N - 1 hold the target's token)."""
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
     _, target_row, target_arg = target_distribution(batch["final"], needed_targets(loss_mask, lengths), target_lm_head, draft_ids, t2d)
     device_type = batch["aux"].device.type
@@ -173,15 +173,15 @@ def _hits_and_runs(model, batch: dict, *, target_lm_head, draft_ids, t2d, steps:
         outs = ttt_hidden(model, batch["aux"], batch["input_ids"], lengths, steps, attention=attention)
         chain = torch.ones_like(loss_mask)  # positions whose drafts so far all hit
         runs = torch.zeros(loss_mask.shape, dtype=torch.int64, device=loss_mask.device)
-        top_hits = torch.zeros((loss_mask.shape[0], len(TREE_WIDTHS), loss_mask.shape[1]), dtype=torch.int64, device=loss_mask.device)
+        top_hits = torch.zeros((loss_mask.shape[0], len(ONE_STEP_TREES), loss_mask.shape[1]), dtype=torch.int64, device=loss_mask.device)
         for j, out in enumerate(outs):
             valid, _, arg = step_targets(j, target_row, target_arg, loss_mask, lengths)
             hit = torch.zeros_like(valid)
             logits = model.head(out[valid])
             hit[valid] = logits.argmax(-1) == arg[valid]
             if j == 0:
-                for i, width in enumerate(TREE_WIDTHS):
-                    top = logits.topk(min(width - 1, logits.shape[-1]), dim=-1).indices
+                for i, tokens in enumerate(ONE_STEP_TREES):
+                    top = logits.topk(min(tokens - 1, logits.shape[-1]), dim=-1).indices
                     top_hits[:, i][valid] = (top == arg[valid][:, None]).any(-1).long()
             reach = chain & valid
             chain = reach & hit
@@ -246,8 +246,8 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
     rounds, emitted = totals[4:6] if len(totals) >= 6 else (none, none)
     first_rounds, first_emitted = totals[6:8] if len(totals) >= 8 else (none, none)
     copy_positions, copy_drafter, copy_lookup = totals[8:11] if len(totals) >= 11 else (none, none, none)
-    widths = len(TREE_WIDTHS)
-    has_trees = len(totals) >= TREE_FIRST_EMITTED + widths  # counts written before the one-step trees have none
+    n_trees = len(ONE_STEP_TREES)
+    has_trees = len(totals) >= TREE_FIRST_EMITTED + n_trees  # counts written before the one-step trees have none
 
     def ratio(a, b):
         return a / b if b else None
@@ -272,10 +272,10 @@ def acceptance_summary(totals: list[list[int]], *, source: str, samples: int, se
             "lookup_k": LOOKUP_K,
             "min_lookup_drafts": COPY_MIN_DRAFTS,
         },
-        # The walked acceptance of a one-step tree (1, K, K) over first replies, as the benchmark serves it.
+        # The walked acceptance of a one-step tree (1, N, N) over first replies, as the benchmark serves it.
         "one_step_trees": {
-            "topk": list(TREE_WIDTHS),
-            "walked_first_turn_length": [ratio(totals[TREE_FIRST_EMITTED + i][0], totals[TREE_FIRST_ROUNDS + i][0]) for i in range(widths)],
+            "draft_tokens": list(ONE_STEP_TREES),
+            "walked_first_turn_length": [ratio(totals[TREE_FIRST_EMITTED + i][0], totals[TREE_FIRST_ROUNDS + i][0]) for i in range(n_trees)],
         } if has_trees else None,
         "eval_samples": samples,
         "source": source,
@@ -315,7 +315,7 @@ def _trees_line(trees: dict | None) -> str:
     if not trees:
         return ""
     return "; one-step trees over first replies " + ", ".join(
-        f"(1, {k}, {k}) {'n/a' if v is None else f'{v:.2f}'}" for k, v in zip(trees["topk"], trees["walked_first_turn_length"]))
+        f"(1, {k}, {k}) {'n/a' if v is None else f'{v:.2f}'}" for k, v in zip(trees["draft_tokens"], trees["walked_first_turn_length"]))
 
 
 def _dataset_copy(copy: dict | None) -> str:
