@@ -551,6 +551,48 @@ def test_a_benchmarks_own_prompts_are_set_beside_the_walk_of_their_own_dataset(t
         read_simulated_acceptance(broken)
 
 
+def test_training_prediction_is_set_beside_each_swept_setting_it_walked(tmp_path, model_dir, target, drafter):
+    """A chain training walked gets its walk over first replies, a one-step tree (1, N, N) its one-step trees' walk; a
+    deeper tree gets nothing (training does not walk it). Recorded with the gap, never judged."""
+    from eyrie.bench.parity import predict_settings
+    from eyrie.target.model import template_fingerprint
+
+    _, tokenizer = target
+    summary = {**SUMMARY, "walked_first_turn_length": [1.2, 1.3, 1.4], "walked_first_turn_rounds": [40, 40, 40],
+               "one_step_trees": {"draft_tokens": [4, 10], "walked_first_turn_length": [1.35, 1.5]}}
+    drafter_dir = save_drafter(drafter, tmp_path / "walked", template_fingerprint(tokenizer), simulated_acceptance=summary)
+    sweep = [{"steps": 2, "topk": 1, "draft_tokens": 3}, {"steps": 1, "topk": 4, "draft_tokens": 4}, {"steps": 2, "topk": 2, "draft_tokens": 4}]
+    result = run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS, benchmark_name="local",
+                           bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "decoder": "transformers", "sweep": sweep,
+                                      "max_parity_gap": None},  # a random drafter: its gap is not the subject here
+                           out_path=tmp_path / "bench.json", template_sha256_expected=template_fingerprint(tokenizer), device="cpu")
+    chain, one_step, deeper = result["sweep"]["settings"]
+    assert chain["predicted"]["length"] == 1.3 and chain["predicted"]["form"] == "walked_first_turn_length"
+    assert one_step["predicted"]["length"] == 1.35 and one_step["predicted"]["form"] == "one_step_trees"
+    assert one_step["predicted"]["gap"] == pytest.approx(1 - one_step["mean_acceptance_length"] / 1.35)
+    assert one_step["predicted"]["eval_samples"] == 12 and "predicted" not in deeper
+    assert result["sweep"]["main"]["predicted"]["length"] == 1.4  # the main chain of 3
+    # Without a drafter directory (an in-memory drafter) nothing is predicted.
+    bare = json.loads(json.dumps(result["sweep"]["settings"]))
+    for setting in bare:
+        setting.pop("predicted", None)
+    predict_settings(bare, None)
+    assert all("predicted" not in s for s in bare)
+
+
+@pytest.mark.parametrize("trees, message", [
+    ({"draft_tokens": [1], "walked_first_turn_length": [1.2]}, r"expected \{draft_tokens: \[N >= 2"),
+    ({"draft_tokens": [10, 32], "walked_first_turn_length": [1.2]}, "one length in \\[1, 2\\]"),
+    ({"draft_tokens": [10], "walked_first_turn_length": [2.5]}, "one length in \\[1, 2\\]"),
+])
+def test_a_malformed_one_step_tree_walk_is_named(tmp_path, trees, message):
+    from eyrie.drafter.checkpoint import CheckpointError, read_simulated_acceptance
+
+    write_drafter_config(tmp_path / "drafter", {**SUMMARY, "one_step_trees": trees})
+    with pytest.raises(CheckpointError, match=message):
+        read_simulated_acceptance(tmp_path / "drafter")
+
+
 def parity_prompts_for(drafter_dir, gated: bool) -> list:
     from eyrie.bench.parity import parity_prompts
 

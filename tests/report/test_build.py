@@ -682,6 +682,20 @@ def test_report_without_any_sweep_block_renders_as_before(tmp_path):
     assert "<strong>2.37</strong>" in html and "<td>EAGLE-3 drafter</td>" in html and "yes: identical on 2 of 2 prompts" in html
 
 
+def test_the_sweep_table_sets_training_prediction_beside_the_settings_training_walked(tmp_path):
+    block = json.loads(json.dumps(BENCH["sharegpt"]["sweep"]))
+    block["settings"][0]["predicted"] = {"length": 2.5, "gap": 1 - 2.2 / 2.5, "form": "walked_first_turn_length", "eval_samples": 12}
+    block["main"]["predicted"] = {"length": 2.2, "gap": 1 - 2.37 / 2.2, "form": "walked_first_turn_length", "eval_samples": 12}
+    html = _write_full(tmp_path, sweep={"sharegpt": block})
+    table = html.split("<h4>Drafting settings</h4>")[1].split("</table>")[0]
+    assert "<th>training predicted</th>" in table
+    main, chain, tree = table.split("<tr")[2:]
+    assert '2.20 <span class="muted">(7.7% above)</span>' in main and '2.50 <span class="muted">(12.0% below)</span>' in chain
+    assert '<td class="n">—</td>' in tree  # a tree training did not walk
+    assert "the one-step trees (1, N, N)" in html.split("<h4>Drafting settings</h4>")[1]
+    assert "training predicted" not in _write_full(tmp_path / "before", sweep={"sharegpt": BENCH["sharegpt"]["sweep"]})  # JSONs without it
+
+
 def test_warns_when_hidden_shards_disagree_and_drafter_template_differs(tmp_path):
     html = _write_full(
         tmp_path,

@@ -30,7 +30,7 @@ from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import fastest_ngram, ngram_row
-from eyrie.bench.parity import measured_interval, parity, parity_prompts, serve_parity_samples
+from eyrie.bench.parity import measured_interval, parity, parity_prompts, predict_settings, serve_parity_samples
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
 from eyrie.bench.vocab_reach import outside_draft_vocab
@@ -439,6 +439,8 @@ def run_benchmark(
     speedup_over_ngram = summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None
     swept = sweep_block(sweep, sweep_rows, summary, cfg["draft_tokens"], ngram=ngram, speedup_over_ngram=speedup_over_ngram,
                         check=check, timing_dtype=timing_dtype, main_rows=rows, ngram_rows=ngram_rows)
+    if swept is not None:
+        predict_settings([swept["main"], *swept["settings"]], drafter_dir)
     result = {
         "benchmark": benchmark_name,
         **summary,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from eyrie.drafter.checkpoint import first_turn_prediction, read_parity_samples, read_simulated_acceptance
+from eyrie.drafter.checkpoint import first_turn_prediction, one_step_tree_prediction, read_parity_samples, read_simulated_acceptance
 
 HELD_OUT = "held-out cache samples"  # the source training names for its held-out split
 MIN_JUDGED_SAMPLES = 8  # fewer held-out samples make too noisy a prediction to fail a run on
@@ -163,3 +163,28 @@ def _why_not_judged(summary: dict, max_gap: float | None, gated: bool) -> str | 
     if (summary.get("eval_samples") or 0) < MIN_JUDGED_SAMPLES:
         return f"training held out {summary.get('eval_samples')} cache samples, fewer than {MIN_JUDGED_SAMPLES}"
     return None
+
+
+def predict_settings(settings: list[dict], drafter_dir: str | Path | None) -> None:
+    """Set training's prediction beside each sweep setting it walked, in place: a chain of k (its walk over first replies
+    at k) or a one-step tree (1, N, N) (its one-step trees' walk), as `predicted` {length, gap, form, eval_samples,
+    source}, gap = 1 - measured / predicted. Recorded, never judged: the main chain's gate judges the drafter, and a
+    setting's prompts here are few (bench.sweep_prompts). Settings training did not walk get nothing."""
+    summary = read_simulated_acceptance(drafter_dir) if drafter_dir is not None else None
+    if summary is None:
+        return
+    form, chains = first_turn_prediction(summary)
+    trees = one_step_tree_prediction(summary)
+    for setting in settings:
+        steps, topk, tokens = setting["steps"], setting["topk"], setting["draft_tokens"]
+        if topk == 1 and tokens == steps + 1 and steps in summary["k"]:
+            length, setting_form = chains[summary["k"].index(steps)], form
+        elif steps == 1 and topk == tokens and tokens in trees:
+            length, setting_form = trees[tokens], "one_step_trees"
+        else:
+            continue
+        if length is None:
+            continue
+        measured = setting.get("mean_acceptance_length")
+        setting["predicted"] = {"length": length, "gap": None if measured is None else 1.0 - measured / length, "form": setting_form,
+                                "eval_samples": summary.get("eval_samples"), "source": summary.get("source")}

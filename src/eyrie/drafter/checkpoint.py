@@ -223,6 +223,7 @@ def check_simulated_acceptance(summary, where: str | Path) -> dict:
         problems.append(f"eval_samples is {samples!r}, expected a count")
     if "source" in summary and not isinstance(summary["source"], str):
         problems.append(f"source is {summary['source']!r}, expected a string")
+    problems += _one_step_trees_problems(summary.get("one_step_trees"))
     by_dataset = summary.get("by_dataset", {})  # a run on several datasets: each one's held-out samples alone
     if not isinstance(by_dataset, dict) or any(not isinstance(v, dict) for v in by_dataset.values()):
         problems.append(f"by_dataset is {by_dataset!r}, expected an object of summaries by dataset")
@@ -231,6 +232,21 @@ def check_simulated_acceptance(summary, where: str | Path) -> dict:
     for name, own in by_dataset.items():
         check_simulated_acceptance(own, f"{where} (by_dataset.{name})")
     return summary
+
+
+def _one_step_trees_problems(trees) -> list[str]:
+    """What is wrong with a summary's one_step_trees (absent or null: nothing): {draft_tokens: [N, ...], walked_first_turn_length:
+    [a length in [1, 2] or null per N]}; a one-step tree accepts the bonus token and at most one draft."""
+    if trees is None:
+        return []
+    tokens = trees.get("draft_tokens") if isinstance(trees, dict) else None
+    lengths = trees.get("walked_first_turn_length") if isinstance(trees, dict) else None
+    if not isinstance(tokens, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in tokens):
+        return [f"one_step_trees is {trees!r}, expected {{draft_tokens: [N >= 2, ...], walked_first_turn_length: [...]}}"]
+    if not isinstance(lengths, list) or len(lengths) != len(tokens) or any(
+            v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 - 1e-9 <= v <= 2.0 + 1e-9) for v in lengths):
+        return [f"one_step_trees.walked_first_turn_length is {lengths!r}, expected one length in [1, 2] (or null) per draft_tokens entry"]
+    return []
 
 
 def read_simulated_acceptance(drafter_dir: str | Path) -> dict | None:
@@ -301,6 +317,15 @@ def first_turn_prediction(summary: dict) -> tuple[str, list]:
     if values and any(v is not None for v in values):
         return "walked_first_turn_length", values
     return predicted_lengths(summary)
+
+
+def one_step_tree_prediction(summary: dict) -> dict[int, float]:
+    """{N: training's walked acceptance of the one-step tree (1, N, N) over first replies} (check_simulated_acceptance
+    checked its shape); empty for a drafter trained before training walked them, and without the trees it could not walk."""
+    trees = summary.get("one_step_trees")
+    if not trees:
+        return {}
+    return {n: float(v) for n, v in zip(trees["draft_tokens"], trees["walked_first_turn_length"]) if v is not None}
 
 
 def simulated_length(summary: dict | None, k: int) -> float | None:

@@ -475,7 +475,16 @@ def _sweep_setting(data: dict, main: bool, rates: list, lossless, different: lis
         "divergences": different,
         "flags": shlex.join(eagle3_flags(*setting.values())) if valid else None,
         "recommended": bool(best) and main == bool(best.get("main_chain")) and all(best.get(k) == v for k, v in setting.items()),
+        "predicted": _predicted(data.get("predicted")),
     }
+
+
+def _predicted(data) -> dict[str, Any] | None:
+    """Training's walk for a sweep setting (eyrie.bench.parity.predict_settings); None for settings it did not walk
+    and JSONs written before it was recorded."""
+    if not isinstance(data, dict) or number(data.get("length")) is None:
+        return None
+    return {"length": number(data["length"]), "gap": number(data.get("gap")), "eval_samples": number(data.get("eval_samples"))}
 
 
 def _parity_figures(data) -> dict[str, Any] | None:
