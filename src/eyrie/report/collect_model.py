@@ -484,7 +484,7 @@ def _predicted(data) -> dict[str, Any] | None:
     and JSONs written before it was recorded."""
     if not isinstance(data, dict) or number(data.get("length")) is None:
         return None
-    return {"length": number(data["length"]), "gap": number(data.get("gap")), "eval_samples": number(data.get("eval_samples"))}
+    return {"length": number(data["length"]), "gap": number(data.get("gap"))}
 
 
 def _parity_figures(data) -> dict[str, Any] | None:
