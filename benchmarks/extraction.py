@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.extract import _batch_inputs, _to_device, extract_shard, plan_token_batches
 from eyrie.target.aux_layers import default_aux_layer_ids
 from eyrie.target.states import _base_model

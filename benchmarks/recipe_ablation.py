@@ -16,7 +16,7 @@ docs/PERFORMANCE.md.
 
 A setting is NAME=KEY=VALUE[,KEY=VALUE...] (KEY is section.key; VALUE is YAML); --set changes every setting
 (the baseline included). A setting of drafter.draft_vocab_size trains on the vocabulary the pipeline would build at
-that size, chosen from the counts results/vocab stores (eyrie.data.build_vocab.resize_draft_vocab).
+that size, chosen from the counts results/vocab stores (eyrie.tokens.build_vocab.resize_draft_vocab).
 The drafters go to a temporary directory (--keep DIR keeps them).
 
 Settings are judged by the walked chain of --k drafts over the held-out samples' first replies: it replays the
@@ -118,7 +118,7 @@ def train_setting(name: str, changes: dict, inputs: dict, directory: Path, progr
     out = directory / name
     vocab_path = inputs["vocab_path"]
     if ("drafter", "draft_vocab_size") in changes:  # the vocabulary the pipeline would build at that size, from the run's counts
-        from eyrie.data.build_vocab import resize_draft_vocab
+        from eyrie.tokens.build_vocab import resize_draft_vocab
 
         vocab_path = str(directory / f"{name}.vocab.safetensors")
         resize_draft_vocab(inputs["vocab_path"], int(changes[("drafter", "draft_vocab_size")]), vocab_path)

@@ -109,7 +109,7 @@ def matmul_params(model) -> int:
 
 def write_token_shard(path: Path, total_tokens: int, vocab: int, max_len: int, seed: int = 0) -> None:
     """A token shard in the tokenize stage's layout (TOKENS_SCHEMA + eyrie metadata)."""
-    from eyrie.data.tokens import TOKENS_SCHEMA
+    from eyrie.tokens.shards import TOKENS_SCHEMA
 
     rng = np.random.default_rng(seed)
     rows, done = [], 0

@@ -1,4 +1,4 @@
-# Completions shard -> its token shard (eyrie.data.tokenize), then the target's aux and final hidden states for every
+# Completions shard -> its token shard (eyrie.tokens.tokenize), then the target's aux and final hidden states for every
 # token (the drafter's training input). None with hidden.mode online: the training job runs the target itself.
 # hidden.tensor_parallel N: each job runs the target as N torchrun ranks, one GPU each (eyrie.hidden.parallel).
 from eyrie.hidden.parallel import extraction_gpus

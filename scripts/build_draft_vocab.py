@@ -1,8 +1,8 @@
-# Snakemake entry point: assistant-token counts -> draft vocabulary (see eyrie.data.build_vocab; the format is eyrie.data.vocab).
+# Snakemake entry point: assistant-token counts -> draft vocabulary (see eyrie.tokens.build_vocab; the format is eyrie.tokens.vocab).
 from transformers import AutoConfig
 
 from eyrie.core.joblog import job_log
-from eyrie.data.build_vocab import build_draft_vocab
+from eyrie.tokens.build_vocab import build_draft_vocab
 
 with job_log(snakemake.log[0]):
     build_draft_vocab(

@@ -1,4 +1,4 @@
-# Snakemake entry point: completions shard -> token shard (eyrie.data.tokenize; the format is eyrie.data.tokens), then
+# Snakemake entry point: completions shard -> token shard (eyrie.tokens.tokenize; the format is eyrie.tokens.shards), then
 # hidden-state cache (eyrie.hidden.extract; the format is eyrie.hidden.cache). Tokenizing here, not in a job of its own,
 # halves the jobs per shard after regeneration (rules/hidden.smk).
 # hidden.tensor_parallel > 1: the same extraction as that many tensor-parallel ranks under torchrun (eyrie.hidden.parallel).
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from eyrie.core.joblog import job_log
-from eyrie.data.tokenize import tokenize_shard
+from eyrie.tokens.tokenize import tokenize_shard
 from eyrie.hidden.extract import extract_target_shard
 from eyrie.hidden.parallel import launch_tensor_parallel
 from eyrie.hidden.size import ensure_shard_fits, target_hidden_size

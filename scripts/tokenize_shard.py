@@ -1,6 +1,6 @@
-# Snakemake entry point: completions shard -> tokens and loss mask (see eyrie.data.tokenize; the format is eyrie.data.tokens).
+# Snakemake entry point: completions shard -> tokens and loss mask (see eyrie.tokens.tokenize; the format is eyrie.tokens.shards).
 from eyrie.core.joblog import job_log
-from eyrie.data.tokenize import tokenize_shard
+from eyrie.tokens.tokenize import tokenize_shard
 from eyrie.target.model import load_tokenizer, template_fingerprint
 
 with job_log(snakemake.log[0]):

@@ -95,7 +95,7 @@ LOCAL_PROMPTS = [
 def one_lean_benchmark(config: dict) -> None:
     """The held-out benchmark alone, on one prompt, chain only: the benchmarks are the tiny chain's slowest jobs, and
     tests of recovery rerun them again and again. What they decode is tested by tests/bench, tests/decoding and the
-    full chain of tests/test_pipeline_e2e.py."""
+    full chain of tests/e2e/test_pipeline.py."""
     config["bench"].update(humaneval=None, mtbench=None, sweep=[], prompts_per_dataset=1)
 
 

@@ -50,7 +50,7 @@ def make_target(path: Path) -> Path:
 
 
 def write_vocab(path: Path) -> Path:
-    from eyrie.data.vocab import write_draft_vocab
+    from eyrie.tokens.vocab import write_draft_vocab
 
     ids = torch.arange(V, dtype=torch.int64).numpy()
     write_draft_vocab(path, ids, torch.ones(V, dtype=torch.int64).numpy(), {"draft_vocab_size": V, "target_vocab_size": V, "template_sha256": TEMPLATE})
@@ -206,7 +206,7 @@ def completions_shard(path: Path) -> Path:
 
 
 def tokens_shard(path: Path) -> Path:
-    from eyrie.data.tokens import TOKENS_SCHEMA
+    from eyrie.tokens.shards import TOKENS_SCHEMA
 
     rows = [{"id": f"s{k}", "dataset": "local", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "n_tokens": 4, "n_assistant_tokens": 2,
              "truncated": False} for k in range(50)]
@@ -230,7 +230,7 @@ def trained_drafter(tmp_path: Path) -> Path:
 
 
 def test_a_truncated_completions_shard_names_the_file_and_the_job_that_rebuilds_it(tmp_path):
-    from eyrie.data.tokenize import tokenize_shard
+    from eyrie.tokens.tokenize import tokenize_shard
 
     shard = truncate(completions_shard(tmp_path / "0000.parquet"))
     with pytest.raises(ArtifactError, match=rf"{shard}: not a readable Parquet file .*cut short.*written by the regenerate_shard job; .*--force {shard}"):
@@ -239,8 +239,8 @@ def test_a_truncated_completions_shard_names_the_file_and_the_job_that_rebuilds_
 
 @pytest.mark.parametrize("reader", ["read_tokens", "shard_template", "build_draft_vocab"])
 def test_a_truncated_tokens_shard_names_the_file_and_the_job_that_rebuilds_it(tmp_path, reader):
-    from eyrie.data.build_vocab import build_draft_vocab
-    from eyrie.data.tokens import read_tokens, shard_template
+    from eyrie.tokens.build_vocab import build_draft_vocab
+    from eyrie.tokens.shards import read_tokens, shard_template
 
     shard = truncate(tokens_shard(tmp_path / "0000.parquet"))
     read = {"read_tokens": lambda: read_tokens(shard, RuntimeError), "shard_template": lambda: shard_template(shard),
@@ -282,8 +282,8 @@ def flip_a_byte(path: Path, at: float = 0.5) -> None:
 
 
 def test_every_writer_records_a_digest_its_reader_checks(tmp_path):
-    from eyrie.data.tokens import read_tokens
-    from eyrie.data.vocab import VocabError, load_draft_vocab
+    from eyrie.tokens.shards import read_tokens
+    from eyrie.tokens.vocab import VocabError, load_draft_vocab
     from eyrie.generation.conversations import load_conversations
     from eyrie.hidden.cache import HiddenCacheError, load_hidden
 

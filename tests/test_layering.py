@@ -1,7 +1,8 @@
 """The package's layering (docs/DESIGN.md), read from the source with ast: no circles, no import that points up.
 
-core <- target <- drafter <- decoding <- stages (data, generation, hidden, training, bench, report) <- faces.
-A stage reaches another stage only through that stage's format module, and nothing imports a job driver.
+core <- target <- drafter <- decoding <- stages <- faces, the stages in the pipeline's order
+(data, generation, tokens, hidden, training, bench, report): a stage reads only an earlier stage, and only through that
+stage's format module; nothing imports a job driver.
 Every import counts, including those inside functions: a lazy import is still a dependency.
 """
 
@@ -15,12 +16,12 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS = {"core": 0, "target": 1, "drafter": 2, "decoding": 3}
-STAGES = ("data", "generation", "hidden", "training", "bench", "report")
+STAGES = ("data", "generation", "tokens", "hidden", "training", "bench", "report")  # the pipeline's order
 STAGE_LAYER, FACE_LAYER = 4, 5
 # What one stage may read of another: the modules that own a file format.
 FORMAT_MODULES = {
-    "eyrie.data.tokens",
-    "eyrie.data.vocab",
+    "eyrie.tokens.shards",
+    "eyrie.tokens.vocab",
     "eyrie.generation.conversations",
     "eyrie.hidden.cache",
     "eyrie.hidden.fp8",
@@ -28,8 +29,8 @@ FORMAT_MODULES = {
 # What Snakemake's scripts (and `python -m`) run; no module of the package imports one.
 JOB_DRIVERS = {
     "eyrie.data.dataset_prompts",
-    "eyrie.data.tokenize",
-    "eyrie.data.build_vocab",
+    "eyrie.tokens.tokenize",
+    "eyrie.tokens.build_vocab",
     "eyrie.generation.regenerate",
     "eyrie.hidden.extract",
     "eyrie.training.train",
@@ -117,8 +118,11 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         for target in sorted(imported):
             if layer(target) > layer(module):
                 found.append(f"{module} imports {target}: a lower layer may not import a higher one")
-            elif stage(module) and stage(target) and stage(module) != stage(target) and target not in FORMAT_MODULES:
-                found.append(f"{module} imports {target}: another stage is read only through its format modules {sorted(FORMAT_MODULES)}")
+            elif stage(module) and stage(target) and stage(module) != stage(target):
+                if STAGES.index(stage(target)) > STAGES.index(stage(module)):
+                    found.append(f"{module} imports {target}: a stage reads only the stages before it ({' -> '.join(STAGES)})")
+                elif target not in FORMAT_MODULES:
+                    found.append(f"{module} imports {target}: another stage is read only through its format modules {sorted(FORMAT_MODULES)}")
             if target in JOB_DRIVERS:
                 found.append(f"{module} imports the job driver {target}")
     return found
@@ -168,6 +172,8 @@ def test_the_check_finds_a_circle_an_upward_import_a_stage_reaching_past_a_forma
     fake_package("eyrie.hidden.cache", "from eyrie.hidden.extract import x\n")
     fake_package("eyrie.hidden.extract", "from eyrie.hidden.cache import y\n")
     fake_package("eyrie.training.inputs", "from eyrie.hidden.extract import z\nfrom eyrie.hidden.cache import w\n")
+    fake_package("eyrie.generation.conversations", "from eyrie.tokens.shards import s\n")  # a later stage
+    fake_package("eyrie.tokens.shards", "")
     graph = import_graph(tmp_path)
     assert circles(graph) == [["eyrie.hidden.cache", "eyrie.hidden.extract"]]
     assert graph["eyrie.target.model"] == {"eyrie.core.errors"}  # `from package import module` counts the module
@@ -175,4 +181,5 @@ def test_the_check_finds_a_circle_an_upward_import_a_stage_reaching_past_a_forma
     assert "eyrie.core.atomic imports eyrie.target.model: a lower layer may not import a higher one" in found
     assert any(v.startswith("eyrie.training.inputs imports eyrie.hidden.extract: another stage") for v in found)
     assert "eyrie.training.inputs imports the job driver eyrie.hidden.extract" in found
+    assert any(v.startswith("eyrie.generation.conversations imports eyrie.tokens.shards: a stage reads only the stages before it") for v in found)
     assert not any("eyrie.hidden.cache: another stage" in v for v in found)  # a format module is fine

@@ -1,21 +1,20 @@
 """`eyrie verify` finds every missing, corrupt or stale file a config plans, and prints the command that repairs them.
 
 The workspace here is written by the pipeline's own writers (eyrie.core.atomic, the drafter checkpoint), so the
-digests checked are the ones real runs record; tests/test_recovery_e2e.py runs the printed command on a real build.
+digests checked are the ones real runs record; tests/e2e/test_recovery.py runs the printed command on a real build.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pyarrow as pa
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY_CONFIG
+from conftest import TINY_CONFIG
+from factories import plans_of
 
 from eyrie import cli
 from eyrie import config as cfg
@@ -236,20 +235,6 @@ def test_planned_outputs_are_what_snakemake_plans(tmp_path, mode):
     snakemake_plans, planned, undeclared = plans_of(tmp_path)
     assert undeclared and snakemake_plans == planned - undeclared
     assert any(rule == "extract_hidden" for _, rule in planned) == (mode == "offline")
-
-
-def plans_of(workdir) -> tuple[set, set, set]:
-    """(path, rule) of every result, as Snakemake's own DAG has them (`--summary`) and as eyrie.plan lists them, and
-    those of eyrie.plan's that no job declares while nothing is lost (a dataset's prompt shards: Planned.declared_through)."""
-    done = subprocess.run(  # noqa: PLW1510 -- the return code is asserted below
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "1", "--summary"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("\t") for line in done.stdout.splitlines()[1:] if "\t" in line]
-    snakemake_plans = {(row[0], row[2]) for row in rows if not row[0].startswith("resources/")}
-    planned = planned_outputs(cfg.load(workdir / "config.yaml"))
-    return snakemake_plans, {(p.path, p.rule) for p in planned}, {(p.path, p.rule) for p in planned if p.declared_through}
 
 
 def test_a_corrupt_prompt_shard_is_forced_through_the_summary_its_prompts_job_declares(workspace, config):

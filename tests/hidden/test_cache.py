@@ -13,7 +13,7 @@ import torch
 
 from eyrie.core.digest import DigestMismatchError, verify
 from eyrie.core.errors import ContractError
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.cache import HiddenCacheMismatchError, check_manifest, load_hidden, read_manifest
 from eyrie.hidden.extract import extract_shard, plan_token_batches
 from eyrie.target.aux_layers import AuxLayerError, capture_indices, default_aux_layer_ids

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eyrie import config as cfg
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.cache import read_manifest
 from eyrie.hidden.extract import extract_shard
 from eyrie.hidden.size import (

@@ -23,7 +23,7 @@ from conftest import TINY_CONFIG
 from eyrie import config as cfg
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ConfigError
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.cache import HiddenCacheError
 from eyrie.hidden.extract import extract_shard
 from eyrie.hidden.parallel import extraction_gpus, launch_tensor_parallel

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.generation.conversations import COMPLETIONS_SCHEMA
 from eyrie.report.build import collect, write_report
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from eyrie import config as cfg
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ConfigError
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.extract import extract_shard
 from eyrie.plan import planned_outputs
 from eyrie.target.aux_layers import default_aux_layer_ids

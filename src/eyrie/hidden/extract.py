@@ -25,7 +25,7 @@ import numpy as np
 from eyrie.core.atomic import write_atomically
 from eyrie.core.batching import batches_by_tokens
 from eyrie.core.errors import ContractError
-from eyrie.data.tokens import read_tokens, shard_template
+from eyrie.tokens.shards import read_tokens, shard_template
 from eyrie.hidden.cache import (
     FORMAT,
     FP8_SCALES_NOTE,

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from eyrie.core.artifacts import ArtifactError, read_parquet_metadata, read_safetensors_manifest
 from eyrie.core.disk import free_space, human_bytes
 from eyrie.core.schema import load_schema
-from eyrie.data.tokens import WRITTEN_BY as TOKENS_WRITTEN_BY
+from eyrie.tokens.shards import WRITTEN_BY as TOKENS_WRITTEN_BY
 from eyrie.hidden.cache import HiddenCacheError, is_fp8, storage_specs
 from eyrie.hidden.fp8 import FP8_NAME
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eyrie.core.artifacts import ArtifactError, check, parquet_metadata, read_json
-from eyrie.data.tokens import WRITTEN_BY as TOKENS_WRITTEN_BY
+from eyrie.tokens.shards import WRITTEN_BY as TOKENS_WRITTEN_BY
 from eyrie.report.formats import fmt_num
 from eyrie.report.values import distinct, rate, share, warn
 

@@ -22,7 +22,7 @@ from eyrie.core.artifacts import rebuild_hint
 from eyrie.core.batching import batches_by_tokens
 from eyrie.core.digest import file_digest
 from eyrie.core.errors import EyrieError
-from eyrie.data.vocab import VocabError, load_draft_vocab
+from eyrie.tokens.vocab import VocabError, load_draft_vocab
 from eyrie.drafter.model import DrafterShape
 from eyrie.hidden.cache import DIGEST, SCALES, WRITTEN_BY, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
 from eyrie.hidden.fp8 import FP8_NAME, SCALE_DTYPE, dequantize_blocks

@@ -19,8 +19,8 @@ import torch
 
 from eyrie.core.artifacts import check
 from eyrie.core.digest import file_digest
-from eyrie.data.tokens import WRITTEN_BY as TOKENS_WRITTEN_BY
-from eyrie.data.tokens import read_tokens, shard_template
+from eyrie.tokens.shards import WRITTEN_BY as TOKENS_WRITTEN_BY
+from eyrie.tokens.shards import read_tokens, shard_template
 from eyrie.hidden.cache import encode_rows, storage_dtype
 from eyrie.target.aux_layers import capture_indices
 from eyrie.target.model import load_model

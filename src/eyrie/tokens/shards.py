@@ -1,7 +1,7 @@
 """The token shard FORMAT: its schema, and the one reader of its token columns.
 
 A token shard (``results/tokens/<dataset>/<shard>.parquet``, written by the extraction job before it
-extracts, or by the tokenize job with hidden.mode online; eyrie.data.tokenize) holds one row per
+extracts, or by the tokenize job with hidden.mode online; eyrie.tokens.tokenize) holds one row per
 conversation: ``input_ids`` and an assistant-only ``loss_mask`` of the same length, with the chat
 template's fingerprint in its ``eyrie`` metadata.
 Extraction and the draft vocabulary read it through ``read_tokens`` (the content digest checked first,

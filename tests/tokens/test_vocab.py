@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from eyrie.core.errors import ContractError
-from eyrie.data.build_vocab import VocabClippedWarning, build_draft_vocab, resize_draft_vocab
-from eyrie.data.tokens import TOKENS_SCHEMA
-from eyrie.data.vocab import VocabError, VocabSizeError, check_vocab, load_draft_vocab
+from eyrie.tokens.build_vocab import VocabClippedWarning, build_draft_vocab, resize_draft_vocab
+from eyrie.tokens.shards import TOKENS_SCHEMA
+from eyrie.tokens.vocab import VocabError, VocabSizeError, check_vocab, load_draft_vocab
 
 V = 20
 TEMPLATE = "t" * 64

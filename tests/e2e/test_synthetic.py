@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import TINY_CONFIG, make_workdir, snakemake
-from test_verify import plans_of
+from factories import plans_of
 
 from eyrie.core.digest import verify
 

@@ -5,7 +5,7 @@ OFFSETS (target id = i + d2t[i]), not as the target ids themselves: storing the 
 failure that loads without complaint and drafts garbage. ``t2d`` is a bool mask over the target
 vocabulary, True at the kept ids. Both are stored, plus the counts they came from, in one
 safetensors file (never pickle) with a JSON manifest and its content digest in its metadata
-(eyrie.core.digest; load_draft_vocab checks it). The build job (eyrie.data.build_vocab) chooses the
+(eyrie.core.digest; load_draft_vocab checks it). The build job (eyrie.tokens.build_vocab) chooses the
 ids by assistant-token frequency.
 """
 

@@ -1,6 +1,6 @@
 """The tokenize job: turn a completions shard into a token shard (input_ids and an assistant-only loss mask).
 
-The token shard's schema and reader belong to eyrie.data.tokens. The completions shard is read whole,
+The token shard's schema and reader belong to eyrie.tokens.shards. The completions shard is read whole,
 its content digest checked first (eyrie.core.artifacts.read_parquet).
 """
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 from eyrie.core.artifacts import PARQUET_KEY, parquet_metadata, read_parquet
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ContractError
-from eyrie.data.tokens import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.generation.conversations import WRITTEN_BY as COMPLETIONS_WRITTEN_BY
 from eyrie.target.chat_template import tokenize_conversation
 

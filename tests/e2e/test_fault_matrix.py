@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SNAKEMAKE, copy_of, snakemake
-from test_recovery_e2e import content, eyrie_verify, without_timings
+from factories import content, eyrie_verify, without_timings
 
 pytestmark = pytest.mark.e2e
 

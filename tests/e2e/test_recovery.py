@@ -8,55 +8,26 @@ changed inside the drafter directory) and prints the command that forces it.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import SNAKEMAKE, copy_of, snakemake
+from factories import content, eyrie_verify
 
 pytestmark = pytest.mark.e2e
 
-TIMING_WORDS = ("second", "time", "elapsed", "per_s", "date", "digest")  # what may differ between two runs of the same job
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, complete_run):
     """A copy of the session's complete run, which this module's tests damage in turn."""
     return copy_of(complete_run, tmp_path_factory.mktemp("recovery") / "run")
-
-
-def without_timings(value):
-    if isinstance(value, dict):
-        return {k: without_timings(v) for k, v in value.items() if not any(word in k.lower() for word in TIMING_WORDS)}
-    if isinstance(value, list):
-        return [without_timings(v) for v in value]
-    return value
-
-
-def content(path: Path):
-    """What a file holds, timings aside: rows and eyrie metadata of a Parquet shard, tensors and manifest of a safetensors file."""
-    if path.suffix == ".parquet":
-        table = pq.read_table(path)
-        meta = json.loads((table.schema.metadata or {}).get(b"eyrie", b"{}"))
-        return table.replace_schema_metadata(None).to_pylist(), without_timings(meta)
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-        manifest = json.loads((handle.metadata() or {}).get("manifest", "{}"))
-    return {name: (t.dtype, t.shape, t.float().sum().item(), t.view(-1)[:64].tolist()) for name, t in tensors.items()}, without_timings(manifest)
-
-
-def eyrie_verify(workdir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eyrie.cli", "verify", "-d", str(workdir)], capture_output=True, text=True, timeout=600)
 
 
 def kill_a_forced_rerun_of_tokenization(workdir: Path, tokens: list[Path]) -> None:
