@@ -40,7 +40,7 @@ from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.floor import FloorDecoder
 from eyrie.decoding.static import StaticLlama
 from eyrie.decoding.static_common import needed_capacity
-from eyrie.decoding.topk import ranked_top_k, sorted_top_k, two_stage_top_k
+from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
                vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -48,8 +48,7 @@ WARMUPS = 2  # untimed runs first: compilation, autotuning and graph capture hap
 SMALL = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=512)
 
 
-TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": two_stage_top_k, "ranked": ranked_top_k,
-              "sorted": sorted_top_k}
+TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": two_stage_top_k, "ranked": ranked_top_k}
 
 
 def use_top_k(way: str) -> None:
@@ -128,8 +127,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--draft-vocab", type=int, default=32000, help="the random drafter's draft vocabulary (before the "
-                        "thirteenth session: 4096, where PyTorch's top-K takes another path than at the pipeline's 32000)")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the random drafter's draft vocabulary (the pipeline's "
+                        "32000; at 4096 PyTorch's top-K takes another path)")
     parser.add_argument("--drafter-k", type=int, default=4, help="speculative rounds of this chain length with a random drafter (0: none)")
     parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[],
                         metavar="S,K,N", help="also time tree rounds of these SGLang (steps, topk, draft tokens), e.g. 5,4,8 8,10,64")

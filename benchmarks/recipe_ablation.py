@@ -23,9 +23,9 @@ Settings are judged by the walked chain of --k drafts over the held-out samples'
 decoder's rounds, and on the same tokens matches served acceptance to a few tenths of a percent
 (benchmarks/parity_probe.py); on the cache's held-out samples it has read 14-16% above the benchmarks' prompts, a bias
 shared by every setting. --gpus 0,1,... trains one setting per GPU at once, each in its own process (several on one
-GPU do not help: it time-slices them). --limit keeps a run inside a lease's call: a setting that cannot finish in
+GPU do not help: it time-slices them). --limit keeps a run inside a time-limited job: a setting that cannot finish in
 time is not started. --overlay FILE writes the best setting's changes as a config overlay for the pipeline
-(`snakemake --configfile config.yaml FILE`); benchmarks/h200/ablate.sh runs it all on a lease.
+(`snakemake --configfile config.yaml FILE`); benchmarks/h200/ablate.sh runs it all on the GPU machine.
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from pathlib import Path
 
 import yaml
 
-# The issue's knobs no lease has measured yet (the ninth session's ablation measured the learning rate, argmax labels
-# and a 3x MLP: only the rate moved the walk; the seventeenth session's full run train.copy_weight 2, which did not
-# pay); most promising first, as a cut run judges those it finished. The prompts' tokens first: they are cached and
+# Knobs not yet measured on the GPU (the learning rate, argmax labels and a 3x MLP were: only the rate moved the walk;
+# so was train.copy_weight 2, which did not pay); most promising first, as a cut run judges those it finished. The prompts' tokens first: they are cached and
 # run through the drafter anyway (about a third as many tokens as the replies), and untrained on.
 DEFAULT_SETTINGS = [
     "baseline=",

@@ -21,10 +21,10 @@ GPU (2 x H200):  python benchmarks/tp_extraction.py --out tp_extraction.json
                  (--phases 8b or --phases 70b to split it over two calls; --workdir on a disk with ~40 GB free)
 CPU smoke test:  python benchmarks/tp_extraction.py --small --out /tmp/tp_extraction.json
                  (a tiny shape; 2 gloo ranks, which needs a CPU build of torch; the figures mean nothing)
-On the 2-GPU lease (torch 2.11, transformers 5.17, no PyYAML or xxhash, which eyrie's cache writer imports): carry
-their Python 3.12 wheels, made on a CPU machine with
+On a 2-GPU machine without a package index (torch 2.11, transformers 5.17, no PyYAML or xxhash, which eyrie's cache
+writer imports): carry their Python 3.12 wheels, made on a CPU machine with
   pip download --no-deps -d .device/tp --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 PyYAML==6.0.4 xxhash==4.1.0
-and run (one call per phase: each stays under the 10-minute limit)
+and run (one call per phase, where calls are limited to 10 minutes)
   pip install -q --no-index --no-deps --target /tmp/tpsite .device/tp/*.whl && \
   PYTHONPATH=src:/tmp/tpsite python3 benchmarks/tp_extraction.py --phases 8b --out $OUT/tp_8b.json
 """
@@ -164,7 +164,7 @@ def random_sharded_target(shape: dict, init: str, dtype: torch.dtype, device_typ
         if hasattr(model, "_resolve_parallel_plans"):  # transformers >= 5.2x: the plan from_pretrained applies, expanded
             tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world))
             apply_tensor_parallelism(model, mesh, tp_plan)
-        else:  # transformers 5.17 (the H200 lease's): it reads model.tp_plan itself
+        else:  # transformers 5.17: it reads model.tp_plan itself
             apply_tensor_parallelism(model, mesh)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -318,11 +318,11 @@ def main() -> int:
         return 0
     if not args.out:
         raise SystemExit("--out is required")
-    for module, wheel in (("yaml", "PyYAML"), ("xxhash", "xxhash")):  # the lease lacks both; say so before minutes of setup
+    for module, wheel in (("yaml", "PyYAML"), ("xxhash", "xxhash")):  # an offline machine may lack both; say so before minutes of setup
         try:
             __import__(module)
         except ImportError:
-            raise SystemExit(f"{wheel} is missing (eyrie's cache writer imports {module}); see this file's docstring for the lease") from None
+            raise SystemExit(f"{wheel} is missing (eyrie's cache writer imports {module}); see this file's docstring for an offline machine") from None
     device = "cpu" if args.small else "cuda"
     tokens = args.tokens or (2048 if args.small else 32768)
     batch_tokens = args.batch_tokens or (256 if args.small else 16384)

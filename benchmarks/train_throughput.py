@@ -6,7 +6,7 @@ Llama-3.1-8B drafter shape (H 4096, 32/8 heads, head_dim 128, intermediate 14336
 process:
 
     baseline      eager attention + unchunked loss, float32 frozen embeddings and target head,
-                  foreach AdamW (the code before this change; the lean RMSNorm backward is shared)
+                  foreach AdamW (the lean RMSNorm backward is shared)
     flex+chunked  flex attention (compiled) + chunked loss, bf16 frozen tensors, fused AdamW
     +recompute    the same with train.recompute_mlp
     +compiled     flex+chunked with train.compile: the layer's elementwise work (casts, RMSNorms,
@@ -49,9 +49,9 @@ from eyrie.training.optimizer import make_optimizer
 SPECFORGE_TOKENS_PER_S = (16000.0, 19000.0)
 SPECFORGE_PEAK_GIB = 13.0
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000, vocab=128256)
-# The pipeline's drafter on the default target (SmolLM2-135M-Instruct), draft vocabulary as the eleventh session's H200 run
+# The pipeline's drafter on the default target (SmolLM2-135M-Instruct), draft vocabulary as configs/h200.yaml's run
 # built it (every conversation and 3,000 synthetic prompts). The 12,000-conversation run's 26,641 (--draft-vocab 26641)
-# was not a multiple of 8, and its head's products ran 1.39x slower (docs/PERFORMANCE.md §5); build_vocab now pads.
+# was not a multiple of 8, and its head's products ran 1.39x slower; build_vocab now pads.
 PIPELINE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, draft_vocab=30952, vocab=49152)
 SHAPES = {"llama-8b": LLAMA_8B, "pipeline": PIPELINE}
 SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=200, vocab=500)

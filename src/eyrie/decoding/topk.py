@@ -4,14 +4,14 @@ rows elsewhere.
 A tree round takes the top K of the draft vocabulary for each of its K frontier nodes: ~10 rows of 32,000. For so
 few, so long rows PyTorch's CUDA topk switches to its multi-block radix select, ~17 kernels per call (three per 8-bit
 digit of a float32, four digits, then scans and a gather); on an H200 that was ~37 us of a frontier step's ~130 us
-(benchmarks/round_profile.py, twelfth session's engine). Cut into chunks of at most MAX_CHUNK, the rows take the
+(benchmarks/round_profile.py). Cut into chunks of at most MAX_CHUNK, the rows take the
 single-block path: the top K of each chunk, then the top K of those candidates, in a handful of kernels.
 
 The values are torch.topk's exactly (the global top K is among the chunks' top Ks); so are the indices, except
 which of several equal values is taken, which torch.topk leaves unspecified too.
 
-ranked_top_k goes further: no radix select or sort at all. Measured in the tree rounds on an H200 (fourteenth
-session, random weights, 32,000-token draft vocabulary, bf16, one call): a (6, 10, 48) round 2.846 -> 2.742 ms
+ranked_top_k goes further: no radix select or sort at all. Measured in the tree rounds on an H200
+(benchmarks/decode_floor.py --top-k, random weights, 32,000-token draft vocabulary, bf16, one call): a (6, 10, 48) round 2.846 -> 2.742 ms
 (0.964x) against the two stages, (6, 8, 32) 0.981x, (8, 10, 64) 0.955x. So top_k takes it on CUDA; on the CPU, where
 it was not timed, the two stages stay.
 """
@@ -40,7 +40,7 @@ def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def two_stage_top_k(values: torch.Tensor, k: int, max_chunk: int = MAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k as the top k of each chunk, then the top k of those candidates.
-    max_chunk: the longest chunk (benchmarks/topk_variants.py times others)."""
+    max_chunk: the longest chunk (chunks of 1,000 and 4,000 timed no better: benchmarks/README.md)."""
     rows, width = values.shape
     chunks = chunks_for(width, k, max_chunk)
     if chunks == 1:
@@ -60,7 +60,7 @@ def ranked_top_k(values: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     the k-th largest chunk maximum, so the row's k-th largest value is too, and no other chunk holds a larger one).
     So: chunk maxima, each ranked by counting the maxima before it; the k best chunks gathered; their values ranked
     the same way. Ties go to the smaller index, so the result is deterministic. chunk: the chunks' length (a divisor of
-    the width; benchmarks/topk_variants.py times several), else chunk_size_for_ranking's. Falls back to the two stages
+    the width; any gives the same result), else chunk_size_for_ranking's. Falls back to the two stages
     where the row has no suitable chunk size.
     """
     rows, width = values.shape
@@ -75,40 +75,6 @@ def ranked_top_k(values: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     candidate_ids = (chosen[..., None] * chunk + torch.arange(chunk, device=values.device)).reshape(rows, k * chunk)
     ranks = _ranks(candidates, candidate_ids)
     return _by_rank(ranks, candidates, k), _by_rank(ranks, candidate_ids, k)
-
-
-SORT_WIDTH = 512  # torch._inductor lowers sorts of rows up to this long to one Triton kernel (its Sort.create); longer: PyTorch's
-
-
-def sorted_top_k(values: torch.Tensor, k: int, width: int = SORT_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k as rounds of short stable sorts, each meant to compile to one Triton kernel (inductor's lowering of sorts up
-    to SORT_WIDTH, read in its source; not checked on a GPU): the row cut into
-    chunks of `width` (the last padded with -inf), each chunk's k best kept, until the candidates fit one chunk
-    (32,000 -> 630 -> 20 -> the k best: three sorts). The ranked way's pairwise rankings compare every chunk maximum
-    and every candidate with every other (~410,000 and ~250,000 comparisons a row at 32,000).
-
-    The k best of a row are among the k best of their chunks, and a stable sort keeps equal values in index order
-    (chunks stay in index order, and so do the candidates each keeps), so ties go to the smaller index, as with
-    ranked_top_k. A padding -inf comes after every value of the row, a real -inf included.
-
-    Not top_k's way: in the tree rounds on an H200 (torch 2.11, twenty-second session) an (8, 10, 64) round took 4.12 ms
-    with it and the round's other changes of that session against 3.06 before them; those other changes, timed apart in
-    the twenty-third session, moved nothing and were reverted (docs/PERFORMANCE.md)."""
-    rows, n = values.shape
-    if not 0 < k <= min(n, width):
-        raise ValueError(f"top {k} of rows of {n} in chunks of {width}")
-    ids = None  # the row's column held by each candidate (None: the candidate's own column)
-    while n > width:
-        chunks = -(-n // width)
-        padded = torch.nn.functional.pad(values, (0, chunks * width - n), value=float("-inf")).view(rows, chunks, width)
-        best, at = torch.sort(padded, dim=-1, descending=True, stable=True)
-        column = (at[..., :k] + torch.arange(0, chunks * width, width, device=values.device)[:, None]).clamp(max=n - 1)
-        column = column.reshape(rows, chunks * k)  # a padding's column is clamped into the row: never among the k best
-        ids = column if ids is None else ids.gather(1, column)
-        values, n = best[..., :k].reshape(rows, chunks * k), chunks * k
-    best, at = torch.sort(values, dim=-1, descending=True, stable=True)
-    at = at[:, :k]
-    return best[:, :k], (at if ids is None else ids.gather(1, at))
 
 
 def chunk_size_for_ranking(width: int, k: int) -> int | None:

@@ -91,7 +91,7 @@ def _ttt_mask_mod(key_position: torch.Tensor, key_is_diagonal: torch.Tensor):
 # thrashes when an epoch visits lengths in random order, rebuilding masks every step.
 MASK_CACHE_SIZE = 512
 # Dynamic from the first step: torch.compile's default compiles the first shape static and recompiles
-# at the first change (13 s on an H200, benchmarks/train_warmup.py); every run's shapes change.
+# at the first change (13 s on an H200; benchmarks/README.md, retired probes); every run's shapes change.
 FLEX_DYNAMIC: bool | None = True
 
 
