@@ -1,5 +1,5 @@
 # Drafter + target -> the same drafter in the speculators format, vLLM's native one (`vllm serve results/drafter-speculators`).
-# The export names the target as input.model, the path vLLM will open (relative paths start in the project directory).
+# The export names the target as served: model.served_name (a hub id or an absolute path), else input.model made absolute.
 
 
 rule export_speculators:
@@ -12,6 +12,7 @@ rule export_speculators:
     params:
         # k, vLLM's num_speculative_tokens: the chain length the benchmarks measure.
         speculative_tokens=config["bench"]["draft_tokens"],
+        served_name=config["model"].get("served_name"),
     log:
         "logs/drafter/speculators.log",
     conda: "../envs/cpu.yaml"

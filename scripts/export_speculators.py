@@ -8,5 +8,5 @@ with job_log(snakemake.log[0]):
         target_dir=snakemake.input.model,
         out_dir=snakemake.output[0],
         speculative_tokens=snakemake.params.speculative_tokens,
-        verifier=snakemake.input.model,
+        verifier=snakemake.params.served_name,  # None: the target directory's absolute path
     )

@@ -36,7 +36,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyrie.core.errors import ConfigError
+from eyrie.target import family
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang loads with --speculative-algorithm EAGLE3; load_drafter refuses any other
+
+
+MOE_MLP_PER_HIDDEN = 6  # a MoE target's drafter MLP width per hidden unit: SpecForge's Qwen3-30B-A3B, Qwen3-235B-A22B, gpt-oss drafters
+MLA_KV_GROUPS = 8  # key-value heads of an MLA target's drafter: SpecForge's DeepSeek-V3 drafter (56 query heads, 8 kv heads)
+
+SHAPE_KEYS = ("intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads")  # the drafter: keys that size its layer
+
+
+def default_layer_sizes(text) -> dict[str, int]:
+    """The draft layer's sizes for a target's text config, per family (docs/DESIGN.md, "Drafter shapes per target family").
+
+    Dense (Llama, Qwen3, Mistral, Gemma 3): the target's own attention and MLP, as the published drafters for them.
+    MoE (Qwen3-MoE, gpt-oss, DeepSeek-V3): a dense MLP MOE_MLP_PER_HIDDEN x hidden wide; neither the target's expert
+    width (768 for Qwen3-30B-A3B) nor its dense width (the shared or first layers', if any) is what a one-layer
+    drafter needs. MLA (DeepSeek-V3, Kimi-K2): no head of its own fits a Llama layer (queries and keys are
+    nope + rope wide, values v_head_dim), so heads v_head_dim wide, hidden / v_head_dim of them, MLA_KV_GROUPS kv heads.
+    """
+    hidden = int(text.hidden_size)
+    if family.is_mla(text):
+        head_dim = int(text.v_head_dim)
+        heads = max(1, hidden // head_dim)
+        kv_heads = math.gcd(heads, MLA_KV_GROUPS)
+    else:
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    dense = getattr(text, "intermediate_size", None)
+    intermediate = MOE_MLP_PER_HIDDEN * hidden if family.expert_count(text) or not isinstance(dense, int) else int(dense)
+    return {"intermediate_size": intermediate, "head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+
+
+def shape_settings(drafter_cfg: dict) -> dict:
+    """from_target's keyword arguments from the config's drafter section."""
+    return {key: drafter_cfg.get(key) for key in SHAPE_KEYS}
 
 
 @dataclass
@@ -64,31 +101,42 @@ class DrafterShape:
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int], *, norm_before_fc: bool = False,
-                    norm_output: bool = False, intermediate_size: int | None = None) -> "DrafterShape":
-        """intermediate_size: the draft layer's MLP width; None takes the target's. Only the drafter's own config.json
-        carries it, so a wider MLP is served as trained (SGLang and vLLM build the draft layer from that file)."""
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        rope_theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
-        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
-        heads = target_config.num_attention_heads
+                    norm_output: bool = False, intermediate_size: int | None = None, head_dim: int | None = None,
+                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None) -> "DrafterShape":
+        """The drafter for this target (its text part, for a multimodal one), per family (default_layer_sizes); each of
+        intermediate_size, head_dim, num_attention_heads, num_key_value_heads given replaces the family's choice. Only
+        the drafter's own config.json carries them, and SGLang and vLLM build the draft layer from that file."""
+        text = family.text_config(target_config)
+        sizes = default_layer_sizes(text)
+        for name, value in (("intermediate_size", intermediate_size), ("head_dim", head_dim),
+                            ("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
+            if value is not None:
+                sizes[name] = int(value)
+        if sizes["num_attention_heads"] % sizes["num_key_value_heads"]:
+            raise ConfigError(
+                f"drafter.num_key_value_heads {sizes['num_key_value_heads']} does not divide drafter.num_attention_heads "
+                f"{sizes['num_attention_heads']}: each key-value head serves a whole group of query heads"
+            )
+        rope = family.full_attention_rope(text)
+        rope_theta = rope.pop("rope_theta")
+        # The drafter rotates its whole head (a Llama layer): a target's partial rotary stays the target's.
+        rope.pop("partial_rotary_factor", None)
+        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
         return cls(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=int(intermediate_size or target_config.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-            rms_norm_eps=target_config.rms_norm_eps,
-            vocab_size=target_config.vocab_size,
+            hidden_size=text.hidden_size,
+            rms_norm_eps=text.rms_norm_eps,
+            vocab_size=text.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            target_hidden_size=target_config.hidden_size,
-            max_position_embeddings=target_config.max_position_embeddings,
+            target_hidden_size=text.hidden_size,
+            max_position_embeddings=text.max_position_embeddings,
             aux_layer_ids=list(aux_layer_ids),
-            hidden_act=getattr(target_config, "hidden_act", "silu"),
+            hidden_act="silu",  # what DraftMLP computes, and the only activation SGLang's LlamaMLP takes
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            target_num_hidden_layers=target_config.num_hidden_layers,
+            target_num_hidden_layers=text.num_hidden_layers,
             norm_before_fc=bool(norm_before_fc),
             norm_output=bool(norm_output),
+            **sizes,
         )
 
     def sglang_config(self, torch_dtype: str = "bfloat16") -> dict:

@@ -12,7 +12,8 @@ base.SpeculatorsConfig) and by speculators 0.9.0 (models/eagle3: Eagle3Speculato
                           normed state instead of the pre-norm one, and drafts wrongly without any error
     norm_before_fc, fc_norm, norm_output  the EAGLE-3.1 flags as trained
     speculators_config  algorithm eagle3, one greedy proposal of k tokens (vLLM's num_speculative_tokens), and the
-                        verifier: the target's path (vLLM serves it; relative paths start in the project directory)
+                        verifier: the target as served (model.served_name: a hub id or an absolute path; by default the
+                        absolute path of the target directory, so the export resolves from any directory)
 
 Tensors: the drafter's, `midlayer.*` renamed `layers.0.*`, plus `embed_tokens.weight`, the target's frozen
 embeddings. Without them speculators' from_pretrained (under transformers 5.19) leaves the embeddings randomly
@@ -136,7 +137,8 @@ def export_speculators(drafter_dir: str | Path, target_dir: str | Path, out_dir:
                        verifier: str | None = None) -> dict:
     """Write the speculators-format directory (config.json, model.safetensors), swapped in whole; returns its config.
 
-    verifier: the target path written into the export (what `vllm serve <out_dir>` serves), the target_dir by default.
+    verifier: the target as served, written into the export (what `vllm serve <out_dir>` serves and speculators' from_pretrained
+    loads): a hub id or an absolute path; by default target_dir's absolute path, which resolves from any directory.
     """
     from safetensors.torch import load_file
 
@@ -154,7 +156,7 @@ def export_speculators(drafter_dir: str | Path, target_dir: str | Path, out_dir:
     shape = DrafterShape.from_sglang_config(drafter_config)
     target_config = target_text_config(target_dir)
     target_architectures = json.loads((target_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    config = speculators_config(drafter_config, verifier or str(target_dir), target_architectures, speculative_tokens)
+    config = speculators_config(drafter_config, verifier or str(target_dir.resolve()), target_architectures, speculative_tokens)
     own = drafter_config.get("eyrie") or {}
     config["eyrie"] = {
         "drafter": str(drafter_dir),
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target_dir")
     parser.add_argument("out_dir")
     parser.add_argument("--speculative-tokens", type=int, required=True, help="k: vLLM's num_speculative_tokens")
-    parser.add_argument("--verifier", help="the target path written into the export (default: TARGET_DIR)")
+    parser.add_argument("--verifier", help="the target as served, a hub id or an absolute path (default: TARGET_DIR made absolute)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     config = export_speculators(args.drafter_dir, args.target_dir, args.out_dir, args.speculative_tokens, args.verifier)
     print(f"speculators export: wrote {args.out_dir} (eagle3, k={args.speculative_tokens}, "

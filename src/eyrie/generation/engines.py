@@ -48,7 +48,7 @@ def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threa
         timeouts = {"startup_timeout_s": sglang["startup_timeout_s"], "shutdown_timeout_s": sglang["shutdown_timeout_s"]}
 
         def command(port: int) -> list[str]:
-            return command_from_config(sglang, model_dir, port)
+            return command_from_config(sglang, model_dir, port, bool(model_settings["trust_remote_code"]))
 
         if sglang["one_server_per_job"]:
             server = sglang_server.managed_server(command, server_log, **timeouts)

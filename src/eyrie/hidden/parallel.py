@@ -12,7 +12,7 @@ from pathlib import Path
 
 from eyrie.core.torchrun import run_ranks
 from eyrie.hidden.cache import HiddenCacheError
-from eyrie.target.model import check_model_dir, check_tensor_parallel, check_tensor_parallel_device, resolve_device
+from eyrie.target.model import check_experts_split, check_model_dir, check_tensor_parallel, check_tensor_parallel_device, resolve_device
 
 
 def extraction_gpus(config: dict) -> int:
@@ -36,6 +36,7 @@ def launch_tensor_parallel(arguments: dict, processes: int, args_path: str | Pat
     device = resolve_device(model.get("device", "auto"))
     config = AutoConfig.from_pretrained(check_model_dir(arguments["model_dir"]), trust_remote_code=model.get("trust_remote_code", False))
     check_tensor_parallel(config, processes)
+    check_experts_split(arguments["model_dir"], config, processes)  # an MoE target would gain no memory: refused with the bytes
     check_tensor_parallel_device(device, processes)
     code = run_ranks("eyrie.hidden.extract", {**arguments, "tensor_parallel": processes}, processes, args_path)
     if code != 0:

@@ -51,7 +51,7 @@ def _vllm_figures(config: dict, drafter_dir: str, draft_tokens: int, warnings: l
                                "serve_speculators_dir": export_dir, "serve_vllm_speculators_command": None, "serve_vllm_speculators_command_lines": None}
     try:
         dtype = serving_dtype(drafter_dir, sglang.get("dtype"))
-        command = vllm_command(_target_path(config), drafter_dir, draft_tokens, dtype=dtype)
+        command = vllm_command(_target_path(config), drafter_dir, draft_tokens, dtype=dtype, **_split_and_code(config))
     except (EyrieError, OSError, ValueError) as err:
         warn(warnings, "drafter", f"no vLLM command for this drafter: {err}")
         return figures
@@ -59,7 +59,7 @@ def _vllm_figures(config: dict, drafter_dir: str, draft_tokens: int, warnings: l
     figures.update(serve_dtype=dtype, serve_dtype_source="engine.sglang.dtype from the config" if explicit else "the drafter's own dtype (config.json torch_dtype)",
                    serve_vllm_command=shlex.join(command), serve_vllm_command_lines=_continued_lines(command))
     try:
-        speculators = vllm_speculators_command(export_dir, dtype=dtype)
+        speculators = vllm_speculators_command(export_dir, dtype=dtype, **_split_and_code(config))
     except (EyrieError, OSError, ValueError):
         return figures  # not exported (yet): `snakemake results/drafter-speculators` builds it
     return {**figures, "serve_vllm_speculators_command": shlex.join(speculators), "serve_vllm_speculators_command_lines": _continued_lines(speculators)}
@@ -95,13 +95,21 @@ def _launch_command(config: dict, drafter_dir: str, steps: int, topk: int, draft
         _serving_model_path(config),
         SERVE_PORT,
         python="python",  # portable: run it with the interpreter that has sglang installed
-        tp_size=int(sglang.get("tp_size") or 1),
+        tp_size=_split_and_code(config)["tp_size"],
         dtype=sglang.get("dtype"),
         mem_fraction_static=sglang.get("mem_fraction_static"),
         context_length=sglang.get("context_length"),
         speculative=speculative,
+        trust_remote_code=_split_and_code(config)["trust_remote_code"],
         extra_args=sglang.get("extra_args") or (),
     )
+
+
+def _split_and_code(config: dict) -> dict:
+    """{tp_size, trust_remote_code} for either engine: engine.sglang.tp_size splits the served target in both, and
+    model.trust_remote_code lets both run the target's own code."""
+    sglang = ((config.get("engine") or {}).get("sglang")) or {}
+    return {"tp_size": int(sglang.get("tp_size") or 1), "trust_remote_code": bool((config.get("model") or {}).get("trust_remote_code"))}
 
 
 def _continued_lines(command: list[str]) -> str:

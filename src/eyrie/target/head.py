@@ -12,19 +12,11 @@ from pathlib import Path
 import torch
 
 from eyrie.core.errors import InputFileError
-from eyrie.target.model import check_model_dir
+from eyrie.target.family import norm_is_zero_centred, target_text_config  # noqa: F401 (target_text_config: callers' import)
 
 
 class TargetHeadError(InputFileError):
     """The target's safetensors lack the embeddings or LM head the drafter needs, or hold them misshapen."""
-
-
-def target_text_config(target_dir: str | Path):
-    """The target's transformers config (its text part, for multimodal targets)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(check_model_dir(target_dir))
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _target_weight_files(target_dir: Path) -> dict[str, Path]:
@@ -47,7 +39,9 @@ def _target_weight_files(target_dir: Path) -> dict[str, Path]:
 
 
 def load_target_head(target_dir: str | Path, config=None) -> dict[str, torch.Tensor]:
-    """The target's embed_tokens, lm_head (= embed_tokens when tied) and final norm, float32; nothing else is read."""
+    """The target's embed_tokens, lm_head (= embed_tokens when tied) and final norm, float32; nothing else is read.
+
+    norm is the effective weight a plain RMSNorm multiplies by (1 + w for a zero-centred Gemma norm)."""
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
@@ -80,4 +74,6 @@ def load_target_head(target_dir: str | Path, config=None) -> dict[str, torch.Ten
     norm = read(prefix + "norm.weight") if prefix + "norm.weight" in where else None
     if norm is not None and tuple(norm.shape) != (H,):
         norm = None
+    if norm is not None and norm_is_zero_centred(config):
+        norm = norm + 1.0  # the effective weight of Gemma's (1 + w) norm: the drafter's norm is a plain RMSNorm, as in SGLang and vLLM
     return {"embed": embed, "lm_head": lm_head, "norm": norm}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from eyrie.core.atomic import write_directory_atomically
 from eyrie.core.errors import ConfigError, InputFileError
+from eyrie.target import family
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -133,7 +134,7 @@ def check_tensor_parallel(config, processes: int) -> None:
     transformers shards q/k/v by output width and does not check the heads: a split head fails the first
     forward with a reshape error, so it is checked here, before a rank starts.
     """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = family.text_config(config)
     if not (getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)):
         raise ConfigError(
             f"hidden.tensor_parallel: {processes}: transformers has no tensor-parallel plan for this target ({config.model_type}); set it to 1"
@@ -145,6 +146,31 @@ def check_tensor_parallel(config, processes: int) -> None:
                 f"hidden.tensor_parallel: {processes} does not divide the target's {name} ({heads}); every rank must hold whole heads, "
                 f"so use a divisor of {heads}"
             )
+
+
+GIB = 1 << 30
+
+
+def check_experts_split(model_dir: str | Path, config, processes: int) -> None:
+    """Refuse an MoE target under tensor parallelism: transformers' tp plan splits attention and dense MLPs but
+    replicates every routed expert on every rank, so the split gives an MoE target (where the experts are most of the
+    weights) almost no memory relief. The message carries the bytes: expert weights per rank against the rest's share."""
+    text = family.text_config(config)
+    experts = family.expert_count(text)
+    if not experts:
+        return
+    sizes = family.weight_bytes(model_dir)
+    expert_bytes = sum(n for name, n in sizes.items() if family.is_routed_expert(name))
+    rest = sum(sizes.values()) - expert_bytes
+    whole = expert_bytes + rest
+    per_rank = expert_bytes + rest / processes
+    raise family.UnsupportedTargetError(
+        f"hidden.tensor_parallel: {processes} on an MoE target ({text.model_type}, {experts} routed experts per layer): transformers' "
+        f"tensor-parallel plan replicates every routed expert, so each rank would hold all {expert_bytes / GIB:.3g} GiB of expert weights "
+        f"beside 1/{processes} of the other {rest / GIB:.3g} GiB: {per_rank / GIB:.3g} GiB per rank of {whole / GIB:.3g} GiB in all "
+        f"({per_rank / whole:.0%}), where a real split would hold {whole / processes / GIB:.3g} GiB. Set hidden.tensor_parallel: 1 and "
+        "extract on one device that holds the whole target"
+    )
 
 
 def check_tensor_parallel_device(device: str, processes: int) -> None:
@@ -177,7 +203,9 @@ def tensor_parallel_settings(model_dir: str | Path, processes: int, device: str,
             f"hidden.tensor_parallel: {processes}, but this process is not one of {processes} torchrun ranks (WORLD_SIZE={world}); "
             "the extract job launches them (eyrie.hidden.parallel)"
         )
-    check_tensor_parallel(AutoConfig.from_pretrained(check_model_dir(model_dir), trust_remote_code=trust_remote_code), processes)
+    config = AutoConfig.from_pretrained(check_model_dir(model_dir), trust_remote_code=trust_remote_code)
+    check_tensor_parallel(config, processes)
+    check_experts_split(model_dir, config, processes)
     check_tensor_parallel_device(device, processes)
     return {"distributed_config": DistributedConfig(tp_size=processes)}
 

@@ -79,6 +79,7 @@ def launch_command(
     served_model_name: str | None = None,
     api_key: str | None = None,
     speculative: dict | None = None,
+    trust_remote_code: bool = False,
     extra_args: list[str] | tuple[str, ...] = (),
 ) -> list[str]:
     """The one place where an SGLang server command line is built (regeneration and serving benchmarks alike).
@@ -88,6 +89,8 @@ def launch_command(
     command = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port)]
     if tp_size != 1:
         command += ["--tp-size", str(tp_size)]
+    if trust_remote_code:  # model.trust_remote_code: the target's own code (Kimi-K2), which the engine refuses to run otherwise
+        command += ["--trust-remote-code"]
     if speculative and str(speculative.get("algorithm") or "").upper() in ("EAGLE", "EAGLE3") and speculative.get("draft_model_path"):
         dtype = serving_dtype(speculative["draft_model_path"], dtype)  # the drafter's, not SGLang's auto
     if dtype and dtype != "auto":
@@ -118,6 +121,7 @@ def vllm_command(
     host: str = HOST,
     dtype: str | None = None,
     tp_size: int = 1,
+    trust_remote_code: bool = False,
     executable: str = "vllm",
 ) -> list[str]:
     """`vllm serve <target> --speculative-config '{"method": "eagle3", "model": <drafter>, "num_speculative_tokens": k}'`.
@@ -129,9 +133,7 @@ def vllm_command(
     if int(num_speculative_tokens) < 1:
         raise ConfigError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
     speculative = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": int(num_speculative_tokens)}
-    command = [executable, "serve", str(model_path), "--host", host, "--port", str(port)]
-    if tp_size != 1:
-        command += ["--tensor-parallel-size", str(tp_size)]
+    command = [executable, "serve", str(model_path), "--host", host, "--port", str(port)] + _vllm_common(tp_size, trust_remote_code)
     dtype = serving_dtype(drafter_dir, dtype)
     if dtype:
         command += ["--dtype", dtype]
@@ -139,22 +141,26 @@ def vllm_command(
 
 
 def vllm_speculators_command(export_dir: str, port: int = VLLM_PORT, *, host: str = HOST, dtype: str | None = None,
-                             tp_size: int = 1, executable: str = "vllm") -> list[str]:
+                             tp_size: int = 1, trust_remote_code: bool = False, executable: str = "vllm") -> list[str]:
     """`vllm serve <speculators export>`: vLLM finds the target (speculators_config.verifier) and k in the export itself."""
     kind = _drafter_config(export_dir).get("speculators_model_type")
     if kind != "eagle3":
         raise ConfigError(f"{export_dir}/config.json: speculators_model_type is {kind!r}, not an EAGLE-3 speculators export")
-    command = [executable, "serve", str(export_dir), "--host", host, "--port", str(port)]
-    if tp_size != 1:
-        command += ["--tensor-parallel-size", str(tp_size)]
+    command = [executable, "serve", str(export_dir), "--host", host, "--port", str(port)] + _vllm_common(tp_size, trust_remote_code)
     dtype = serving_dtype(export_dir, dtype)
     if dtype:
         command += ["--dtype", dtype]
     return command
 
 
-def command_from_config(sglang: dict, model_path: str, port: int) -> list[str]:
-    """launch_command from the config's engine.sglang section."""
+def _vllm_common(tp_size: int, trust_remote_code: bool) -> list[str]:
+    """vLLM's flags for the target's split and its own code, as launch_command gives SGLang's."""
+    flags = ["--tensor-parallel-size", str(tp_size)] if tp_size != 1 else []
+    return flags + (["--trust-remote-code"] if trust_remote_code else [])
+
+
+def command_from_config(sglang: dict, model_path: str, port: int, trust_remote_code: bool = False) -> list[str]:
+    """launch_command from the config's engine.sglang section (and model.trust_remote_code)."""
     return launch_command(
         sglang.get("model_path") or model_path,
         port,
@@ -164,6 +170,7 @@ def command_from_config(sglang: dict, model_path: str, port: int) -> list[str]:
         mem_fraction_static=sglang.get("mem_fraction_static"),
         context_length=sglang.get("context_length"),
         speculative=sglang.get("speculative"),
+        trust_remote_code=trust_remote_code,
         extra_args=sglang.get("extra_args") or (),
     )
 

@@ -13,12 +13,12 @@ when the states feed a backward).
 from __future__ import annotations
 
 from eyrie.core.errors import EyrieError
+from eyrie.target import family
 
 
 def text_config(model):
     """The model's transformers config (its text part, for multimodal targets)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return family.text_config(model.config)
 
 
 def _base_model(model):

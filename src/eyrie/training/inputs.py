@@ -23,7 +23,7 @@ from eyrie.core.batching import batches_by_tokens
 from eyrie.core.digest import file_digest
 from eyrie.core.errors import EyrieError
 from eyrie.tokens.vocab import VocabError, load_draft_vocab
-from eyrie.drafter.model import DrafterShape
+from eyrie.drafter.model import DrafterShape, shape_settings
 from eyrie.hidden.cache import DIGEST, SCALES, WRITTEN_BY, HiddenCacheError, check_cache, check_manifest, read_manifest, read_state_rows, stored_names
 from eyrie.hidden.fp8 import FP8_NAME, SCALE_DTYPE, dequantize_blocks
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
@@ -345,7 +345,7 @@ def read_inputs(
         drafter_cfg=drafter_cfg, template_sha256=template_sha256, target_fingerprint=target_fingerprint,
     )
     shape = DrafterShape.from_target(target_config, int(d2t.numel()), aux_ids, norm_before_fc=bool(drafter_cfg.get("norm_before_fc", False)),
-                                     norm_output=bool(drafter_cfg.get("norm_output", False)), intermediate_size=drafter_cfg.get("intermediate_size"))
+                                     norm_output=bool(drafter_cfg.get("norm_output", False)), **shape_settings(drafter_cfg))
     samples, truncated, skipped = states.samples(batch_tokens)
     if not samples:
         raise TrainingInputError(
