@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,8 +87,10 @@ def launch_data_parallel(train_kwargs: dict, processes: int, args_path: str | Pa
     args_path = Path(args_path)
     args_path.parent.mkdir(parents=True, exist_ok=True)
     args_path.write_text(json.dumps(train_kwargs, indent=1, default=str))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), "-m", "eyrie.training.train", str(args_path)]
-    env = {**os.environ, **DISTRIBUTED_ENV}
+    from eyrie.core.torchrun import torchrun_command
+
+    # The ranks' stores listen on 127.0.0.1 (or the address MASTER_ADDR names), never on every interface.
+    command, env = torchrun_command("eyrie.training.train", args_path, processes)
     with open(log_path, "a", encoding="utf-8") if log_path else open(os.devnull, "w") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
