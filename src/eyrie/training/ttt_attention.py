@@ -107,7 +107,33 @@ def ttt_block_mask(length: int, blocks: int, device: str):
     key_position = torch.arange(length, device=device).repeat(blocks)  # (blocks * length,)
     key_is_diagonal = torch.arange(blocks * length, device=device) >= length
     mask_mod = _ttt_mask_mod(key_position, key_is_diagonal)
+    if length % FLEX_BLOCK == 0:
+        return tiled_ttt_block_mask(mask_mod, length, blocks, device)
     return create_block_mask(mask_mod, None, None, length, blocks * length, device=device)
+
+
+def tiled_ttt_block_mask(mask_mod, length: int, blocks: int, device: str):
+    """The BlockMask create_block_mask builds for the TTT mask, written down from the mask's known tiles.
+
+    create_block_mask evaluates mask_mod over every (query, key) pair first: a dense bool [length, blocks * length],
+    7 GiB at 32,768 tokens and 7 blocks, with as much again in temporaries. Here, for length a whole number of tiles
+    (n of them), query tile i sees block 0's tiles 0..i-1 fully and its tile i causally (partial), and in each block
+    b >= 1 only the diagonal of tile b * n + i (partial); mask_mod is applied inside the partial tiles as before.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = length // FLEX_BLOCK
+    tile = torch.arange(n, device=device, dtype=torch.int32)
+    width = blocks * n  # kv_indices spans every key tile, as create_block_mask's does
+    partial = torch.zeros(n, width, dtype=torch.int32, device=device)
+    partial[:, :blocks] = tile[:, None] + n * torch.arange(blocks, device=device, dtype=torch.int32)[None, :]
+    full = torch.zeros(n, width, dtype=torch.int32, device=device)
+    full[:, :n] = torch.where(tile[None, :] < tile[:, None], tile[None, :], 0)  # row i: 0..i-1, then unused
+    return BlockMask.from_kv_blocks(
+        torch.full((1, 1, n), blocks, dtype=torch.int32, device=device), partial[None, None],
+        tile.clone()[None, None], full[None, None],
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(length, blocks * length),
+    )
 
 
 @functools.cache

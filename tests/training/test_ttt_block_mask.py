@@ -1,0 +1,54 @@
+"""The TTT BlockMask written from its tiles equals the one create_block_mask derives from the dense mask."""
+
+import pytest
+import torch
+
+from eyrie.training.ttt_attention import FLEX_BLOCK, _ttt_mask_mod, dense_ttt_attention, tiled_ttt_block_mask, ttt_block_mask, unfused_flex_attention
+
+pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+def _mask_mod(length: int, blocks: int):
+    key_position = torch.arange(length).repeat(blocks)
+    return _ttt_mask_mod(key_position, torch.arange(blocks * length) >= length)
+
+
+ORDERED = [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+           ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]
+
+
+@pytest.mark.parametrize("length,blocks", [(FLEX_BLOCK, 1), (2 * FLEX_BLOCK, 2), (3 * FLEX_BLOCK, 3), (4 * FLEX_BLOCK, 7)])
+def test_tiled_block_mask_equals_create_block_mask(length, blocks):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = _mask_mod(length, blocks)
+    reference = create_block_mask(mask_mod, None, None, length, blocks * length, device="cpu")
+    tiled = tiled_ttt_block_mask(mask_mod, length, blocks, "cpu")
+    assert tiled.shape == reference.shape
+    for counts_name, indices_name in ORDERED:
+        counts, indices = getattr(reference, counts_name), getattr(reference, indices_name)
+        assert torch.equal(getattr(tiled, counts_name), counts), counts_name
+        assert getattr(tiled, indices_name).shape == indices.shape, indices_name
+        for row, count in enumerate(counts[0, 0].tolist()):  # past count an index is unused
+            assert torch.equal(getattr(tiled, indices_name)[0, 0, row, :count], indices[0, 0, row, :count]), (indices_name, row)
+
+
+def test_tiled_block_mask_attends_as_the_dense_mask():
+    torch.manual_seed(3)
+    T, blocks = 2 * FLEX_BLOCK, 3
+    block_mask = ttt_block_mask(T, blocks, "cpu")  # a whole number of tiles: built from the tiles
+    q = torch.randn(1, 4, T, 16)
+    k, v = torch.randn(1, 2, blocks * T, 16), torch.randn(1, 2, blocks * T, 16)
+    flex = unfused_flex_attention(q, k, v, block_mask, 0.25, True)
+    dense = dense_ttt_attention(q, k, v, block_mask.mask_mod, 0.25, True)
+    assert torch.allclose(flex, dense, atol=1e-5)
+
+
+def test_long_sample_mask_is_built_without_the_dense_mask():
+    """32,768 tokens and 7 TTT blocks: a dense bool mask would be 7 GiB; the tiles' indices are a few MB."""
+    T, blocks = 32768, 7
+    block_mask = tiled_ttt_block_mask(_mask_mod(T, blocks), T, blocks, "cpu")
+    n = T // FLEX_BLOCK
+    assert block_mask.kv_num_blocks.flatten().tolist() == [blocks] * n
+    assert block_mask.full_kv_num_blocks.flatten().tolist() == list(range(n))
+    assert block_mask.kv_indices[0, 0, 5, :blocks].tolist() == [5 + n * b for b in range(blocks)]
