@@ -10,7 +10,7 @@ for _dataset in DATASETS:
             source=dataset_source(_dataset),
         # It writes every prompt shard (params.shards; summary.json last) but declares only those lost since it ran
         # (rules/common.smk): one job with N outputs that N regeneration jobs depend on makes Snakemake's planning
-        # quadratic in the shard count (docs/PERFORMANCE.md, "The DAG at scale").
+        # quadratic in the shard count (`benchmarks/dag_scale.py` measures it).
         output:
             *LOST_PROMPT_SHARDS[_dataset],
             heldout=f"results/prompts/{_dataset}/heldout.parquet",

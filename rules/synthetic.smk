@@ -16,7 +16,7 @@ rule synthesize_prompts:
         partial_dir="results/partial/synthetic/{dataset}",
     threads: workflow.cores if config["model"]["device"] != "cuda" else min(4, workflow.cores)
     # First among jobs waiting for the GPU: its dataset's shards all wait on it, while another dataset's shard job
-    # holds up nothing. Scheduled last, it ran alone after ShareGPT's shards on the H200 (docs/PERFORMANCE.md).
+    # holds up nothing. Scheduled last, it would run alone after the other datasets' shards.
     priority: 10
     resources:
         gpu=int(config["model"]["device"] != "cpu"),

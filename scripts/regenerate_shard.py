@@ -14,7 +14,7 @@ with job_log(snakemake.log[0]):
     # Where the server log goes is not a param: params are rerun triggers.
     server_log = Path("logs/sglang") / dataset / f"{shard}.log"
     fingerprint = model_fingerprint(snakemake.input.model)
-    # A shard whose every turn is in its resume log (a job killed while writing, or logs a lease put back) opens no
+    # A shard whose every turn is in its resume log (a job killed while writing, or logs copied from another machine) opens no
     # engine: no model load, no server start.
     if shard_answered(snakemake.params.prompts, snakemake.params.partial_dir, snakemake.params.settings, fingerprint):
         opened = nullcontext((None, load_tokenizer(snakemake.input.model, snakemake.params.model["trust_remote_code"])))

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real default model, fetched once per test session by the real Snakefile."""
+"""Shared fixtures: the real default model, fetched once per pytest run by the real Snakefile."""
 
 from __future__ import annotations
 

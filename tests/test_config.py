@@ -184,9 +184,9 @@ def _laid_over(base: dict, overlay: dict) -> dict:
 
 
 @pytest.mark.parametrize("overlay", sorted((REPO / "benchmarks" / "h200").glob("*.yaml")), ids=lambda path: path.name)
-def test_each_lease_overlay_laid_over_the_gpu_config_is_valid(overlay):
+def test_each_gpu_overlay_laid_over_the_gpu_config_is_valid(overlay):
     """benchmarks/h200/pipeline.sh lays these over configs/h200.yaml (OVERLAY): one that the schema or SGLang's tree
-    bounds refuse would fail on the lease, after its device time was spent."""
+    bounds refuse would fail on the GPU, after its device time was spent."""
     from eyrie.bench.sweep import check_sweep
 
     raw = _laid_over(yaml.safe_load((REPO / "configs" / "h200.yaml").read_text()), yaml.safe_load(overlay.read_text()))

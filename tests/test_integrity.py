@@ -1,7 +1,7 @@
-"""Integrity (issue 16): every artifact carries a content digest that its reader checks, every unreadable artifact is an
+"""Integrity: every artifact carries a content digest that its reader checks, every unreadable artifact is an
 error naming the file, its writer and the command that rebuilds it, and a non-finite value is an error, never a result.
 
-Most cases build small artifacts with the stages' own writers; the issue's own case (a cache shard with 200 KB overwritten
+Most cases build small artifacts with the stages' own writers; the headline case (a cache shard with 200 KB overwritten
 by 0xFF) runs training as its own process, as Snakemake's job would, and the last test runs it through the real Snakefile.
 """
 
@@ -84,7 +84,7 @@ def write_cache(path: Path, samples: int = 20, length: int = 50, seed: int = 0, 
 
 
 def overwrite_with_ff(path: Path, count: int = 200_000) -> None:
-    """The issue's corruption: `count` bytes in the middle of the file replaced by 0xFF, the size unchanged."""
+    """A corruption: `count` bytes in the middle of the file replaced by 0xFF, the size unchanged."""
     data = bytearray(path.read_bytes())
     start = len(data) // 3
     data[start : start + count] = b"\xff" * count
@@ -107,7 +107,7 @@ def train_in_a_process(tmp_path: Path, arguments: dict) -> subprocess.CompletedP
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
 
 
-# --------------------------------------------------------------------------- the issue's case: 200 KB of 0xFF in a cache shard
+# --------------------------------------------------------------------------- the headline case: 200 KB of 0xFF in a cache shard
 
 
 def test_a_cache_shard_overwritten_with_ff_stops_training_with_a_named_error_and_no_drafter(tmp_path):

@@ -313,8 +313,8 @@ def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_laye
 
 def test_every_step_width_of_a_sweep_runs_compiled():
     """A sweep feeds the drafter's pieces many widths (1, each chain's k + 1, each tree's K and S + 1): more than
-    dynamo's default of 8 compiles per function, past which it runs a piece unfused without a word (the tenth
-    session's H200 sweep did). The engine raises the limit, so each width gets its compiled graph."""
+    dynamo's default of 8 compiles per function, past which it runs a piece unfused without a word (an H200
+    sweep did). The engine raises the limit, so each width gets its compiled graph."""
     import torch._dynamo
 
     model = tiny_model("llama", vocab_size=5, initializer_range=0.2)

@@ -147,7 +147,7 @@ def test_a_longer_attention_span_compiles_nothing_new():
     """Every compiled piece of a chain or tree round is specialised to a step width (and a tree shape), none to an
     attention span: the drafter attends over its whole cache and the tree's verify mask covers the whole cache, of
     which the verify takes its span's columns. A decode that reaches a longer span replays what a short one compiled.
-    With a piece per span, warm-up took ~100 s per benchmark job on an H200 (twelfth session)."""
+    With a piece per span, warm-up took ~100 s per benchmark job on an H200."""
     import torch._dynamo
 
     model = tiny_target(vocab_size=300)

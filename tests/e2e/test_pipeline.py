@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, complete_run):
-    """One complete run of the tiny config up to report.html: the session's complete run (everything up to the drafter
+    """One complete run of the tiny config up to report.html: the test run's complete run (everything up to the drafter
     is the same), taken on to the tiny config's own benchmarks (two prompts, the sweep, HumanEval and MT-bench)."""
     workdir = copy_of(complete_run, tmp_path_factory.mktemp("e2e") / "run")
     (workdir / "config.yaml").write_text(TINY_CONFIG.read_text())

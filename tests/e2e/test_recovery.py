@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, complete_run):
-    """A copy of the session's complete run, which this module's tests damage in turn."""
+    """A copy of the test run's complete run, which this module's tests damage in turn."""
     return copy_of(complete_run, tmp_path_factory.mktemp("recovery") / "run")
 
 

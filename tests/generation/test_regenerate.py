@@ -127,7 +127,7 @@ def test_crash_then_rerun_reuses_finished_turns_and_matches_a_clean_run(tmp_path
 
 
 def test_an_answered_shard_is_written_from_its_log_without_an_engine(tmp_path, engine):
-    """A shard whose turns are all in its resume log (killed while writing, or logs a lease put back) opens no engine."""
+    """A shard whose turns are all in its resume log (killed while writing, or logs copied from another machine) opens no engine."""
     from eyrie.generation.regenerate import shard_answered
 
     write_prompts(tmp_path / "p.parquet", PROMPTS)

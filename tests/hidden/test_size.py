@@ -85,7 +85,7 @@ def test_bytes_per_token_are_the_figures_measured_on_real_caches():
     # A real SmolLM2 run (H = 576) measured 4,613.1 and 2,325.1 bytes per token with its headers and offsets.
     assert bytes_per_token(576, "bfloat16") == 4_613 and bytes_per_token(576, "float8_e4m3fn") == 2_325
     assert bytes_per_token(576, "float32") == 16 * 576 + 5
-    assert bytes_per_token(7168, "bfloat16") == 57_349  # the issue's ~57 KB per token
+    assert bytes_per_token(7168, "bfloat16") == 57_349  # ~57 KB per token at H = 7168 (docs/USAGE.md)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])

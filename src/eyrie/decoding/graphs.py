@@ -58,7 +58,7 @@ def no_garbage_collection():
     """Python's collector off for a capture. A decoder that is done with still holds its graphs in a reference cycle
     (its replays' partials point back at it), and a collection that runs mid-capture destroys them; destroying a graph
     while another is being captured invalidates the capture (pytorch/pytorch#161037). On the H200 that silently sent
-    one benchmark's chain rounds down the eager path (sixteenth session). torch.cuda.graph no longer collects before
+    one benchmark's chain rounds down the eager path. torch.cuda.graph no longer collects before
     capturing, so nothing else stops it."""
     was_enabled = gc.isenabled()
     gc.disable()

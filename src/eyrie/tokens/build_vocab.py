@@ -2,7 +2,7 @@
 
 With `from_prompts`, the tokens the target read in its prompts but never wrote come after every token it wrote, the
 most read first, where never-seen ids would pad. The target copies such tokens from the prompt (names, references,
-quoted text), and a drafter can only propose ids its vocabulary holds (docs/PERFORMANCE.md, seventeenth session).
+quoted text), and a drafter can only propose ids its vocabulary holds (`benchmarks/copy_probe.py vocab`).
 
 How the chosen ids are stored (d2t offsets, t2d mask) and checked belongs to eyrie.tokens.vocab.
 """
@@ -18,7 +18,7 @@ from eyrie.tokens.shards import read_tokens, shard_template
 from eyrie.tokens.vocab import WRITTEN_BY, VocabError, VocabSizeError, load_draft_vocab, write_draft_vocab
 
 # The draft head's rows: at 26,641 (not a multiple of 8) cuBLAS ran the head's products in Turing-era kernels on an
-# H200, and a training step at the pipeline's shape took 1.39x as long as at 30,952 (docs/PERFORMANCE.md §5).
+# H200, and a training step at the pipeline's shape took 1.39x as long as at 30,952 (`benchmarks/train_throughput.py --shape pipeline`).
 ALIGNMENT = 8
 
 

@@ -32,9 +32,9 @@ alone (walked_first_turn_length), the prediction the parity gate compares a benc
 
 Where prompt lookup would copy (the copy slice): at each round start t where prompt lookup (the benchmark's n-gram
 baseline at k = 8) would have its first COPY_MIN_DRAFTS drafts or more accepted, the drafter's accepted drafts
-min(k, run) beside prompt lookup's. A drafter that learned to copy from its context accepts about as much there. The
-sixteenth session's H200 drafter, decoded on three held-out ShareGPT prompts that quote or loop, accepted 2-4 tokens a
-round where prompt lookup would have accepted 8-9 (docs/PERFORMANCE.md), and that gap was what held-out ShareGPT's ratio
+min(k, run) beside prompt lookup's. A drafter that learned to copy from its context accepts about as much there. An
+H200 drafter of the GPU config, decoded on three held-out ShareGPT prompts that quote or loop, accepted 2-4 tokens a
+round where prompt lookup would have accepted 8-9 (`benchmarks/copy_probe.py decode`), and that gap was what held-out ShareGPT's ratio
 over the n-gram lacked.
 
 Counts are integers summed over batches (all-reduced over data-parallel ranks, each rank taking

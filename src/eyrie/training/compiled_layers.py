@@ -22,7 +22,7 @@ If compiling fails (no C++ compiler for inductor's CPU code, an op dynamo cannot
 warning is issued, the reason is kept in CompiledLayers.error and every piece runs eagerly from
 then on: the training job goes on at eager speed instead of stopping.
 
-Measured on an H200 at the Llama-8B drafter shape: +1.1% tok/s and -0.49 GiB peak (docs/PERFORMANCE.md),
+Measured on an H200 at the Llama-8B drafter shape: +1.1% tok/s and -0.49 GiB peak (docs/RESULTS.md),
 less than the elementwise share suggested; hence opt-in.
 """
 

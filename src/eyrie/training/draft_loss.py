@@ -58,7 +58,7 @@ class LossChunks:
     Eagerly, each chunk's float32 [c, Vd] logits go through about a dozen kernels in forward and backward
     (cast, gather of the target rows, logsumexp, products, sums, exp, subtraction, cast): at the pipeline's
     drafter shape on an H200 that was two thirds of a training step's kernel time, the matrix products 14%
-    (docs/PERFORMANCE.md). Compiled, forward is one reduction over each row and backward one pointwise
+    (`benchmarks/train_throughput.py --shape pipeline` with `--profile`; docs/RESULTS.md). Compiled, forward is one reduction over each row and backward one pointwise
     kernel that writes the gradient in the products' dtype. The values are the same formulas.
     If compiling fails, a warning is issued, the reason kept in error, and every chunk runs eagerly from then on.
     """
