@@ -3,7 +3,7 @@
 # Jobs still queued or running on the cluster are cancelled first when this script's slurmctld is the one serving.
 # Then the slurm.conf that slurm_up.sh wrote goes too, once no SLURM daemon runs: left behind, it names a controller
 # that no longer answers, and every Snakemake start then waits ~9 s in the SLURM executor plugin's `scontrol show
-# config` (docs/PERFORMANCE.md, "The DAG at scale").
+# config` (`python benchmarks/dag_scale.py` shows it in its start-up time).
 set -uo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then
