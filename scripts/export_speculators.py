@@ -9,4 +9,5 @@ with job_log(snakemake.log[0]):
         out_dir=snakemake.output[0],
         speculative_tokens=snakemake.params.speculative_tokens,
         verifier=snakemake.params.served_name,  # None: the target directory's absolute path
+        trust_remote_code=bool(snakemake.config["model"]["trust_remote_code"]),
     )

@@ -134,7 +134,7 @@ def speculators_tensors(tensors: dict[str, torch.Tensor], shape: DrafterShape, e
 
 
 def export_speculators(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, speculative_tokens: int,
-                       verifier: str | None = None) -> dict:
+                       verifier: str | None = None, trust_remote_code: bool = False) -> dict:
     """Write the speculators-format directory (config.json, model.safetensors), swapped in whole; returns its config.
 
     verifier: the target as served, written into the export (what `vllm serve <out_dir>` serves and speculators' from_pretrained
@@ -154,7 +154,7 @@ def export_speculators(drafter_dir: str | Path, target_dir: str | Path, out_dir:
         raise CheckpointError(f"{config_path}: architectures is {drafter_config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
     drafter_config = serving_config(drafter_config, config_path)
     shape = DrafterShape.from_sglang_config(drafter_config)
-    target_config = target_text_config(target_dir)
+    target_config = target_text_config(target_dir, trust_remote_code)  # model.trust_remote_code, never a prompt
     target_architectures = json.loads((target_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
     config = speculators_config(drafter_config, verifier or str(target_dir.resolve()), target_architectures, speculative_tokens)
     own = drafter_config.get("eyrie") or {}
@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--speculative-tokens", type=int, required=True, help="k: vLLM's num_speculative_tokens")
     parser.add_argument("--verifier", help="the target as served, a hub id or an absolute path (default: TARGET_DIR made absolute)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run the target directory's own config code (model.trust_remote_code)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    config = export_speculators(args.drafter_dir, args.target_dir, args.out_dir, args.speculative_tokens, args.verifier)
+    config = export_speculators(args.drafter_dir, args.target_dir, args.out_dir, args.speculative_tokens, args.verifier, args.trust_remote_code)
     print(f"speculators export: wrote {args.out_dir} (eagle3, k={args.speculative_tokens}, "
           f"aux layers {config['eagle_aux_hidden_state_layer_ids']} in vLLM's convention, verifier {config['speculators_config']['verifier']['name_or_path']})")
     return 0

@@ -38,14 +38,15 @@ def _target_weight_files(target_dir: Path) -> dict[str, Path]:
     return where
 
 
-def load_target_head(target_dir: str | Path, config=None) -> dict[str, torch.Tensor]:
+def load_target_head(target_dir: str | Path, config=None, trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
     """The target's embed_tokens, lm_head (= embed_tokens when tied) and final norm, float32; nothing else is read.
 
-    norm is the effective weight a plain RMSNorm multiplies by (1 + w for a zero-centred Gemma norm)."""
+    norm is the effective weight a plain RMSNorm multiplies by (1 + w for a zero-centred Gemma norm). Without `config`
+    the target's config is read with model.trust_remote_code as given (an explicit bool: transformers never prompts)."""
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
-    config = config if config is not None else target_text_config(target_dir)
+    config = config if config is not None else target_text_config(target_dir, trust_remote_code)
     where = _target_weight_files(target_dir)
     embed_keys = sorted((k for k in where if k.endswith("embed_tokens.weight")), key=len)
     if not embed_keys:

@@ -327,13 +327,14 @@ def read_inputs(
     eval_fraction: float = 0.0,
     hidden_paths: list[str] | None = None,
     states: StateSource | None = None,
+    trust_remote_code: bool = False,
 ) -> TrainingInputs:
     """Read the states' source (states, or a HiddenCache over hidden_paths), the draft vocabulary and the target's config,
     run every guard, hold out eval_fraction of the samples, and plan the batches."""
     ttt_steps = int(drafter_cfg["ttt_steps"])
     if ttt_steps < 1:
         raise TrainingInputError(f"drafter.ttt_steps must be at least 1, got {ttt_steps}")
-    target_config = target_text_config(target_dir)
+    target_config = target_text_config(target_dir, trust_remote_code)  # model.trust_remote_code, never a prompt
     try:
         d2t, t2d, vocab_manifest = load_draft_vocab(vocab_path)  # checks d2t (int64 offsets) against t2d (bool)
     except VocabError as exc:  # names the file

@@ -137,6 +137,7 @@ def train_drafter(
         states=states, vocab_path=vocab_path, target_dir=target_dir, drafter_cfg=drafter_cfg,
         batch_tokens=int(train_cfg["batch_tokens"]), template_sha256=template_sha256, target_fingerprint=target_fingerprint,
         eval_fraction=float(train_cfg["eval_fraction"]),
+        trust_remote_code=bool(with_defaults("model", model_cfg)["trust_remote_code"]),
     )
     run = _settle_run(inputs, drafter_cfg, train_cfg, template_sha256, target_fingerprint)
     say = _printer(progress and run.ranks.rank == 0)
