@@ -72,7 +72,7 @@ def build_target(shape: dict, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except TypeError:  # transformers releases that still call it torch_dtype
+        except TypeError:  # transformers versions that still call it torch_dtype
             model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     return model.to(device=device, dtype=dtype).eval()
 

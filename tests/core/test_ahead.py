@@ -50,17 +50,17 @@ def test_an_error_in_a_load_reaches_the_caller_at_that_item():
 
 
 def test_closing_early_waits_for_the_load_in_flight_and_loads_nothing_more():
-    release, calls = threading.Event(), []
+    unblock, calls = threading.Event(), []
 
     def load(k):
         calls.append(k)
         if k == 1:
-            release.wait(timeout=10)
+            unblock.wait(timeout=10)
         return k
 
     loads = loaded_ahead(load, range(10))
     assert next(loads) == 0
-    threading.Timer(0.2, release.set).start()
+    threading.Timer(0.2, unblock.set).start()
     loads.close()  # returns once item 1's load has finished
     assert calls == [0, 1]
     assert not [t for t in threading.enumerate() if t.name.startswith("eyrie-ahead")]

@@ -29,7 +29,7 @@ LLAMA3 = (
     "'<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-WORDS = "what how can you write a python function that adds two numbers is the sum of and to please explain why my code list sort".split()
+WORDS = "what how can you write a python function that adds two numbers is the sum of and to kindly explain why my code list sort".split()
 SETTINGS = {"count": 3, "topics": [], "topic_as": "system", "topic_template": None, "temperature": 1.0, "top_p": 1.0,
             "max_tokens": 10, "min_chars": 1, "max_samples": 64, "batch_size": 8, "seed": 0}
 

@@ -4,7 +4,7 @@ SGLang 0.5.23 is installed in the test environment without its dependencies (the
 files are read from site-packages. vLLM 0.33.0 does not install on a CPU machine within CI's budget (it pins
 torch 2.14.0 and its CUDA kernels), but its wheel downloads in seconds: `vllm_file` reads members of it, and
 `function_from` runs one function or method of theirs, cut out of its module with `ast`, so a test exercises
-vLLM's own logic without importing vLLM. When a cut-out function disappears from a later release the test
+vLLM's own logic without importing vLLM. When a cut-out function disappears from a later version the test
 fails loudly (KeyError naming it) rather than testing a copy.
 """
 

@@ -37,7 +37,7 @@ from eyrie.drafter.checkpoint import READABLE_DIRECTORY, CheckpointError, check_
 from eyrie.drafter.model import ARCHITECTURE, DrafterShape
 from eyrie.target.aux_layers import vllm_layer_ids
 
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this follows (tests load the export with it)
+SPECULATORS_VERSION = "0.9.0"  # the speculators version whose format this follows (tests load the export with it)
 ARCHITECTURES = ["Eagle3Speculator"]
 
 

@@ -73,7 +73,7 @@ def sglang_version_caveat(aux_layer_ids) -> str | None:
 
     SGLang 0.5.23 adds 1 to every id for Llama-family targets (models/llama.py set_eagle3_layers_to_capture), but
     its DeepSeek-V2/V3 and GLM-4-MoE-Lite targets add 1 only when the first id is 1, and SGLang made that rule
-    general in 2026-05. Ids starting at 1 (the default's) mean the same everywhere; others depend on the release.
+    general in 2026-05. Ids starting at 1 (the default's) mean the same everywhere; others depend on the version.
     """
     ids = [int(i) for i in aux_layer_ids]
     if ids and ids[0] == 1:
@@ -81,7 +81,7 @@ def sglang_version_caveat(aux_layer_ids) -> str | None:
     return (
         f"aux_layer_ids {ids} do not start at 1: SGLang versions disagree on such ids. SGLang 0.5.23 adds 1 to each for "
         "Llama-family targets (capture = output_hidden_states[i + 1], what eyrie trains on), but its DeepSeek-V2/V3 and "
-        "GLM-4-MoE-Lite loaders, and SGLang releases since its 2026-05 change, add 1 only when the first id is 1 and would "
+        "GLM-4-MoE-Lite loaders, and SGLang versions since its 2026-05 change, add 1 only when the first id is 1 and would "
         "feed this drafter the layers one below. vLLM (top-level ids, capture indices) is unaffected. Start the ids at 1 "
         "to be safe everywhere, or check your SGLang's set_eagle3_layers_to_capture."
     )
