@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -167,3 +169,77 @@ def test_eyrie_plan_ends_with_the_hidden_cache_against_the_free_disk(tmp_path, m
     assert "bytes/token: 32,773 (H = 4,096 from model/config.json)" in section
     assert "free space:  953.7 MiB" in section and "the cache does not fit" in section
     assert "hidden.dtype: float8_e4m3fn: about half the bytes (625.8 MiB instead of 1.2 GiB)" in section
+
+
+def test_the_plan_reads_a_partial_log_without_changing_it_even_with_a_torn_last_line(tmp_path):
+    """A job may be appending while `eyrie plan` reads: a torn last line (a write under way) is not counted and the
+    file's bytes stay as they are (the job's own reread repairs a tail torn by a kill)."""
+    config = setup(tmp_path)
+    write_prompts(tmp_path, "0000", {"a": 2, "b": 1})
+    log = PartialLog(tmp_path / f"results/partial/completions/d/0000/{settings_key(cfg.generation_settings(config, 'd'), model_fingerprint(tmp_path / 'model'))}.jsonl")
+    log.append([row("a", 0, tokens=80)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"id": "a", "turn": 1, "user": "u", "rep')  # the writer's next line, half written
+    before = log.path.read_bytes()
+    table, _ = build_plan(config, tmp_path)
+    assert log.path.read_bytes() == before
+    assert table.iloc[0]["state"] == "partial" and table.iloc[0]["turns_left"] == 3 - 1
+    assert list(log.read()) == [("a", 0)] and log.path.read_bytes() == before
+    # The owner's read cuts the torn tail; the finished line stays.
+    assert list(log.load()) == [("a", 0)] and log.path.read_bytes() == before[: before.rindex(b"\n") + 1]
+
+
+def test_the_plan_reads_the_log_a_served_model_wrote(tmp_path):
+    from eyrie.generation.partial import log_path
+
+    config = setup(tmp_path)
+    write_prompts(tmp_path, "0000", {"a": 2})
+    key = settings_key(cfg.generation_settings(config, "d"), model_fingerprint(tmp_path / "model"))
+    PartialLog(log_path(tmp_path / "results/partial/completions/d/0000", key, "served1234")).append([row("a", 0)])
+    table, _ = build_plan(config, tmp_path)
+    assert table.iloc[0]["state"] == "partial" and table.iloc[0]["turns_left"] == 1
+
+
+def test_a_shard_whose_job_runs_shows_in_progress_before_its_first_turn(tmp_path):
+    import base64
+
+    config = setup(tmp_path)
+    write_prompts(tmp_path, "0000", {"a": 1})
+    marker = tmp_path / ".snakemake/incomplete" / base64.urlsafe_b64encode(b"results/completions/d/0000.parquet").decode()
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    (tmp_path / ".snakemake/locks").mkdir()
+    (tmp_path / ".snakemake/locks/0.output.lock").write_text("")
+    table, _ = build_plan(config, tmp_path)
+    assert list(table["state"]) == ["in progress", "waiting for prompts"]
+    (tmp_path / ".snakemake/locks/0.output.lock").unlink()  # the run is gone, its marker stayed
+    table, _ = build_plan(config, tmp_path)
+    assert table.iloc[0]["state"].startswith("interrupted")
+
+
+def test_the_cache_fits_for_the_plan_exactly_when_the_extract_jobs_accept_it(tmp_path, monkeypatch):
+    """The plan's fit check keeps the job's 64 MiB margin (one function, eyrie.hidden.size.has_room): a cache far under
+    the free space but within the margin of it does not fit, as each extract_hidden job refuses its shard."""
+    import json
+    import shutil
+
+    from eyrie.hidden.size import MARGIN_BYTES, CacheTooLargeError, ensure_room, estimate_cache, format_estimate
+
+    config = setup(tmp_path)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    shards = [("d", "0000"), ("d", "0001")]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**10, 0, 10**12))
+    total = estimate_cache(config, tmp_path, shards, "model").to_write
+    assert 0 < total < MARGIN_BYTES  # small: the headroom share alone would call it a fit
+    for free, fits in ((total + MARGIN_BYTES // 2, False), (total + MARGIN_BYTES, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: shutil._ntuple_diskusage(10**10, 0, free))
+        estimate = estimate_cache(config, tmp_path, shards, "model")
+        assert estimate.fits is fits and total <= 0.9 * free
+        text = format_estimate(estimate)
+        assert ("margin each extract_hidden job keeps" in text) is (not fits) and ("fits:" in text) is fits
+        # A job's check on one shard of the cache on the same disk: refused exactly when the plan says no.
+        if fits:
+            ensure_room(tmp_path / "hidden.safetensors", total // 2, "bfloat16")
+        else:
+            with pytest.raises(CacheTooLargeError):
+                ensure_room(tmp_path / "hidden.safetensors", total // 2, "bfloat16")

@@ -14,6 +14,7 @@ It also owns the list of every file a config plans (`planned_outputs`): the Snak
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from eyrie.data.synthetic import max_samples
 from eyrie.data.synthetic import progress as synthesis_progress
 from eyrie.data.synthetic import settings_key as synthetic_settings_key
 from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, settings_key
-from eyrie.generation.partial import PartialLog
+from eyrie.generation.partial import PartialLog, logs_of
 
 Z90 = 1.645  # two-sided 90% normal quantile
 
@@ -165,8 +166,10 @@ def plan_shard(workdir: Path, config: dict, dataset: str, shard: str, model_fp: 
 
     rows = {}
     if model_fp is not None:
-        log = workdir / f"results/partial/completions/{dataset}/{shard}/{settings_key(settings, model_fp)}.jsonl"
-        rows = PartialLog(log).load() if log.exists() else {}
+        # Read without touching the file: the job that owns the log may be appending to it right now. The newest log
+        # of these settings: the local model's, or the one a server's model wrote (eyrie.generation.partial).
+        logs = logs_of(workdir / f"results/partial/completions/{dataset}/{shard}", settings_key(settings, model_fp))
+        rows = PartialLog(logs[0]).read() if logs else {}
     # Error rows are asked again on a rerun: they are not done.
     finished = [r for r in rows.values() if r["finish_reason"] != ERROR]
     by_prompt: dict[str, list[dict]] = {}
@@ -180,14 +183,27 @@ def plan_shard(workdir: Path, config: dict, dataset: str, shard: str, model_fp: 
     )
     # A prompt ended early by a too-long turn has no turns left either.
     skipped = sum(expected.get(pid, 0) - len(done) for pid, done in by_prompt.items() if any(r["finish_reason"] == PROMPT_TOO_LONG for r in done))
+    job = job_state(workdir, f"results/completions/{dataset}/{shard}.parquet")
     if records is not None:
         state = "stale (settings changed)"
+    elif job is not None:
+        state = job
     else:
         state = "partial" if finished else ("waiting for prompts" if prompts is None else "not started")
     plan = ShardPlan(dataset, shard, state, prompts, turns, prompts_done=prompts_done, turns_done=len(finished) + skipped)
     plan.seconds = sum(r["seconds"] for r in finished)
     plan.reply_tokens = [r["completion_tokens"] for r in finished if r["finish_reason"] != PROMPT_TOO_LONG]
     return plan
+
+
+def job_state(workdir: Path, output: str) -> str | None:
+    """"in progress" while a Snakemake job is writing `output` (its incomplete marker under .snakemake/incomplete, set
+    when the job starts, and a lock: Snakemake runs), "interrupted" when the marker outlived its run; else None."""
+    marker = workdir / ".snakemake" / "incomplete" / base64.urlsafe_b64encode(output.encode()).decode()
+    if not marker.exists():
+        return None
+    locks = workdir / ".snakemake" / "locks"
+    return "in progress" if locks.is_dir() and any(locks.iterdir()) else "interrupted (rerun with --rerun-incomplete)"
 
 
 def expected_prompts(config: dict, dataset: str) -> float | None:

@@ -140,8 +140,11 @@ class CacheEstimate:
 
     @property
     def fits(self) -> bool | None:
-        """Whether what is left to write leaves at least HEADROOM of the free space free; None when unknown."""
-        return None if self.to_write is None else self.to_write <= (1 - HEADROOM) * self.free_bytes
+        """Whether what is left to write leaves at least HEADROOM of the free space free, and the extract jobs'
+        MARGIN_BYTES beside the last shard (`has_room`, what each job checks); None when unknown."""
+        if self.to_write is None:
+            return None
+        return self.to_write <= (1 - HEADROOM) * self.free_bytes and (self.to_write == 0 or has_room(self.to_write, self.free_bytes))
 
 
 def estimate_cache(config: dict, workdir: str | Path, shards: list[tuple[str, str]], model_dir: str | Path) -> CacheEstimate:
@@ -275,10 +278,13 @@ def advice(estimate: CacheEstimate) -> str | None:
     if estimate.online or estimate.fits is not False:
         return None
     left = estimate.free_bytes - estimate.to_write
+    short = [f"less than {HEADROOM:.0%} headroom"] if estimate.to_write > (1 - HEADROOM) * estimate.free_bytes else []
+    if not has_room(estimate.to_write, estimate.free_bytes):  # the jobs themselves would refuse it
+        short.append(f"less than the {human_bytes(MARGIN_BYTES)} margin each extract_hidden job keeps beside its shard: the jobs would refuse it")
     verdict = (
         f"does not fit: {human_bytes(estimate.to_write)} still to write, {human_bytes(estimate.free_bytes)} free"
         if left < 0
-        else f"leaves {human_bytes(left)} ({left / max(1, estimate.free_bytes):.0%} of the free space), less than {HEADROOM:.0%} headroom"
+        else f"leaves {human_bytes(left)} ({left / max(1, estimate.free_bytes):.0%} of the free space), {' and '.join(short)}"
     )
     steps = remedies(estimate.dtype, estimate.keep, estimate.total_bytes(FP8_NAME), estimate.total_bytes())
     return f"the cache {verdict}; to make room, any of:\n" + "\n".join(f"    - {step}" for step in steps)
@@ -311,10 +317,15 @@ def format_estimate(estimate: CacheEstimate) -> str:
     return "\n".join(lines)
 
 
+def has_room(needed: int, free_bytes: int) -> bool:
+    """Whether `needed` bytes can be written with MARGIN_BYTES to spare: the extract job's check, and the plan's."""
+    return needed + MARGIN_BYTES <= free_bytes
+
+
 def ensure_room(out_path: str | Path, needed: int, dtype: str) -> None:
     """Refuse (CacheTooLargeError, before any byte is written) a shard of `needed` bytes the disk cannot hold with MARGIN_BYTES to spare."""
     free_bytes, where = free_space(Path(out_path).parent)
-    if needed + MARGIN_BYTES <= free_bytes:
+    if has_room(needed, free_bytes):
         return
     steps = "; ".join(remedies(dtype, keep=None))
     raise CacheTooLargeError(
