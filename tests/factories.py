@@ -103,6 +103,7 @@ def tiny_family_target(family: str, directory: Path, tokenizer_dir: Path | None 
 
     Norm weights get noise: a random-init norm is all ones (or all zeros for Gemma's (1 + w)), which hides a norm copied
     wrongly."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir is not None else None
