@@ -10,7 +10,11 @@ each at several hidden.batch_tokens. Roofline tokens/s = measured bf16 matmul FL
 parameters of the decoder layers and the final norm (no embedding table, no LM head: extraction does a
 lookup in the one and never computes the other); attention's score/value FLOPs are left out of P.
 
+For a mixture-of-experts target P counts the ACTIVE parameters per token: the routed experts' weights times
+experts_per_token / experts (every other layer weight, the router's included, in full).
+
 GPU (H200):  python benchmarks/extraction.py --out extraction.json
+             python benchmarks/extraction.py --target qwen3-30b-a3b --out extraction_qwen3_moe.json
 CPU smoke:   python benchmarks/extraction.py --small --out /tmp/extraction.json
 """
 
@@ -38,6 +42,21 @@ from eyrie.target.states import _base_model
 TEMPLATE = "0" * 64  # the synthetic shard's template fingerprint; extract_shard only checks that it matches
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+# Real targets' shapes, from their published config.json (random weights: speed does not depend on them).
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                   layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True, swiglu_limit=7.0,
+                   vocab_size=201088, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   rope_theta=150000.0, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                      "truncate": False, "original_max_position_embeddings": 4096})
+TARGETS = {"llama-3.1-8b": dict(LLAMA_8B, model_type="llama"), "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)
 
@@ -46,6 +65,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     parser.add_argument("--small", action="store_true", help="tiny model and shard (CPU smoke test)")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="llama-3.1-8b", help="the real target whose shape the random weights take")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the synthetic shard (default 32768; 2048 with --small)")
     parser.add_argument("--batch-tokens", type=int, nargs="+", default=None, help="hidden.batch_tokens values (default 4096 16384; 256 1024 with --small)")
@@ -66,9 +86,12 @@ def device_name(device: torch.device) -> str:
 
 def build_target(shape: dict, device: torch.device, dtype: torch.dtype):
     """Random weights, created directly on the device in dtype (no slow CPU init of 8B parameters)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(**shape, attn_implementation="sdpa")
+    fields = dict(shape)
+    model_type = fields.pop("model_type", "llama")
+    # Llama in sdpa as before; the others in the attention transformers picks for them, as eyrie's load_model leaves it
+    config = AutoConfig.for_model(model_type, **fields, **({"attn_implementation": "sdpa"} if model_type == "llama" else {}))
     with torch.device(device):
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -81,6 +104,18 @@ def matmul_params(model) -> int:
     """Parameters that take part in a matrix product per token: decoder layers and the final norm."""
     base = _base_model(model)
     return sum(p.numel() for p in base.layers.parameters()) + sum(p.numel() for p in base.norm.parameters())
+
+
+def active_matmul_params(model) -> float:
+    """matmul_params with each routed expert's weights counted at experts_per_token / experts: what one token multiplies."""
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return float(matmul_params(model))
+    share = config.num_experts_per_tok / experts
+    base = _base_model(model)
+    routed = sum(p.numel() for name, p in base.layers.named_parameters() if ".experts." in f".{name}")
+    return matmul_params(model) - routed + share * routed
 
 
 def median_seconds(run, device: torch.device, repeats: int) -> tuple[float, list[float]]:
@@ -169,7 +204,7 @@ def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are emulated: not a roofline
-    shape = TINY if args.small else LLAMA_8B
+    shape = TINY if args.small else TARGETS[args.target]
     tokens = args.tokens or (2048 if args.small else 32768)
     batch_sizes = args.batch_tokens or ([256, 1024] if args.small else [4096, 16384])
     matmul_n = args.matmul_size or (256 if args.small else 8192)
@@ -188,12 +223,15 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_target(shape, device, dtype)
     synchronize(device)
-    params = matmul_params(model)
-    figures.update(build_seconds=time.perf_counter() - t0, matmul_params=params,
-                   all_params=sum(p.numel() for p in model.parameters()))
+    params = active_matmul_params(model)
+    figures.update(build_seconds=time.perf_counter() - t0, matmul_params=params, decoder_params=matmul_params(model),
+                   all_params=sum(p.numel() for p in model.parameters()), target=None if args.small else args.target,
+                   attn_implementation=getattr(model.config, "_attn_implementation", None),
+                   experts_implementation=getattr(model.config, "_experts_implementation", None))
     if "matmul_flops" in figures:
         figures["roofline_tokens_per_s"] = figures["matmul_flops"] / (2 * params)
-    print(f"target built in {figures['build_seconds']:.1f}s: {params / 1e6:.1f}M decoder+norm parameters "
+    print(f"target built in {figures['build_seconds']:.1f}s: {params / 1e6:.1f}M active decoder+norm parameters per token "
+          f"(all {figures['decoder_params'] / 1e6:.1f}M; attention {figures['attn_implementation']}, experts {figures['experts_implementation']}) "
           f"(of {figures['all_params'] / 1e6:.1f}M; embeddings and LM head left out of the roofline)", flush=True)
     aux_ids = default_aux_layer_ids(shape["num_hidden_layers"])
 
@@ -241,7 +279,7 @@ def print_table(figures: dict, batch_sizes: list[int]) -> None:
     variants = figures["variants"]
     print()
     if roofline:
-        print(f"roofline {roofline:.0f} tok/s = {figures['matmul_flops'] / 1e12:.4g} TFLOP/s / (2 x {figures['matmul_params'] / 1e6:.1f}M params)")
+        print(f"roofline {roofline:.0f} tok/s = {figures['matmul_flops'] / 1e12:.4g} TFLOP/s / (2 x {figures['matmul_params'] / 1e6:.1f}M active params per token)")
     print(f"{'variant':<28}{'tok/s':>10}{'% roofline':>12}{'vs (a)':>8}{'B/token':>10}")
     for name, entry in variants.items():
         bt = name.rsplit("@", 1)[1]

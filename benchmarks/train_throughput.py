@@ -53,7 +53,10 @@ LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14
 # built it (every conversation and 3,000 synthetic prompts). The 12,000-conversation run's 26,641 (--draft-vocab 26641)
 # was not a multiple of 8, and its head's products ran 1.39x slower; build_vocab now pads.
 PIPELINE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, draft_vocab=30952, vocab=49152)
-SHAPES = {"llama-8b": LLAMA_8B, "pipeline": PIPELINE}
+# Qwen3-8B's drafter (H 4096, 32/8 heads, head_dim 128, its MLP width 12288, vocab 151936), as SpecForge's
+# configs/qwen3-8b-eagle3.json and eyrie's DrafterShape.from_target give it.
+QWEN3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, draft_vocab=32000, vocab=151936)
+SHAPES = {"llama-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B, "pipeline": PIPELINE}
 SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=200, vocab=500)
 VARIANTS = {
     "baseline": dict(attention="eager", chunked_loss=False, recompute_mlp=False, frozen_bf16=False, fused_adam=False, compile=False),
