@@ -7,6 +7,13 @@ a ``Conversation`` holds one prompt's user turns and the rows answered so far. `
 names the partial log and ``stable_seed`` a request's sampling seed, so a rerun reuses and
 redraws exactly what the first run did. ``load_conversations`` reads a prompt shard (written by the
 prompts job) with its content digest checked first (eyrie.core.artifacts.read_parquet).
+
+A turn is one assistant reply and its input: a user message, or the tool results answering the
+reply before it (which cannot be regenerated: they are the source's). The reply keeps what the
+target emits: its text, and where the engine gives them its ``reasoning_content`` and
+``tool_calls``. Where a turn's input is tool results and the reply before them called other
+tools than the source's, the conversation ends after that reply (``TOOL_CALLS_DIFFER``,
+counted): the source's results no longer answer it.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from eyrie.core.artifacts import read_parquet
+from eyrie.target.chat_template import PLAIN_MESSAGES_TYPE, is_plain, messages_type, parse_tools, stored_messages
 
-MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+MESSAGES_TYPE = PLAIN_MESSAGES_TYPE
 COMPLETIONS_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -42,6 +50,23 @@ PROMPT_TOO_LONG = "prompt_too_long"
 ERROR = "error"
 ENDS_CONVERSATION = (PROMPT_TOO_LONG, ERROR)
 WRITTEN_BY = "regenerate_shard"  # the Snakemake rule that writes a completions shard, named in read errors
+# A row's `ends_conversation`: the reply is kept, but the source's tool results after it answer other calls.
+TOOL_CALLS_DIFFER = "tool_calls_differ"
+REPLY_FIELDS = ("reasoning_content", "tool_calls")  # what a row may carry beside its reply text
+
+
+def completions_schema(records: list[dict]) -> pa.Schema:
+    """COMPLETIONS_SCHEMA, with the messages' optional fields and a `tools` column (JSON) where some record has them."""
+    schema = COMPLETIONS_SCHEMA.set(2, pa.field("messages", messages_type([r["messages"] for r in records])))
+    return schema.append(pa.field("tools", pa.string())) if any(r.get("tools") for r in records) else schema
+
+
+def same_tool_calls(a: list | str | None, b: list | str | None) -> bool:
+    """Whether two turns call the same functions with the same arguments, in the same order (ids aside)."""
+    def calls(value):
+        value = json.loads(value) if isinstance(value, str) else value or []
+        return [(c["function"]["name"], c["function"].get("arguments")) for c in value]
+    return calls(a) == calls(b)
 
 
 def settings_key(settings: dict, model_fingerprint: str) -> str:
@@ -57,49 +82,118 @@ def stable_seed(*parts) -> int:
 
 @dataclass
 class Conversation:
-    """One prompt's progress: its user turns and the turns already answered."""
+    """One prompt's progress: its turns' inputs and the turns already answered.
+
+    users: each turn's identity, what a partial-log row must match to be reused: the user's text for a turn asked by
+    a user alone (plain chat data, unchanged), else the turn's input messages as JSON. inputs: each turn's input
+    messages (None: one user message per entry of users)."""
 
     id: str
     system: list[dict]
     users: list[str]
     answered: list[dict] = field(default_factory=list)  # partial-log rows, in turn order
-    replies: list[str] = field(default_factory=list)  # the source's reply to each user turn (replies: source), else empty
+    replies: list = field(default_factory=list)  # the source's reply to each turn (text or message), where it has them
+    inputs: list[list[dict]] | None = None
+    tools: list[dict] | None = None
+
+    def turn_input(self, turn: int) -> list[dict]:
+        return self.inputs[turn] if self.inputs is not None else [{"role": "user", "content": self.users[turn]}]
 
     @property
     def ended(self) -> bool:
         return len(self.answered) == len(self.users) or (
-            bool(self.answered) and self.answered[-1]["finish_reason"] in ENDS_CONVERSATION
+            bool(self.answered) and (self.answered[-1]["finish_reason"] in ENDS_CONVERSATION or bool(self.answered[-1].get("ends_conversation")))
         )
 
     def messages(self, upto_turn: int | None = None) -> list[dict]:
-        """system + alternating user/assistant turns; with upto_turn, ends with that turn's user message."""
+        """system + each turn's input and reply; with upto_turn, ends with that turn's input."""
         messages = list(self.system)
         for row in self.answered:
             if row["finish_reason"] in ENDS_CONVERSATION:
                 break
-            messages += [{"role": "user", "content": row["user"]}, {"role": "assistant", "content": row["reply"]}]
+            messages += self.turn_input(row["turn"]) + [reply_message(row)]
         if upto_turn is not None:
-            messages.append({"role": "user", "content": self.users[upto_turn]})
+            messages += self.turn_input(upto_turn)
         return messages
+
+    def ends_after(self, turn: int, tool_calls) -> str | None:
+        """TOOL_CALLS_DIFFER where the next turn's input is the source's tool results and these calls are not the
+        source's; else None."""
+        if turn + 1 >= len(self.users) or turn >= len(self.replies) or not isinstance(self.replies[turn], dict):
+            return None
+        if not any(m["role"] == "tool" for m in self.turn_input(turn + 1)):
+            return None
+        return None if same_tool_calls(tool_calls, self.replies[turn].get("tool_calls")) else TOOL_CALLS_DIFFER
+
+
+def reply_message(row: dict) -> dict:
+    """A partial-log row's reply as an assistant message."""
+    message = {"role": "assistant", "content": row["reply"]}
+    message.update({key: row[key] for key in REPLY_FIELDS if row.get(key)})
+    return message
+
+
+def split_turns(messages: list[dict], max_turns: int) -> tuple[list[dict], list[list[dict]], list[dict | None]]:
+    """A prompt's messages as (system, each turn's input, the source's reply to each turn or None), keeping the turns
+    that answer the first max_turns user messages."""
+    system = [m for m in messages if m["role"] == "system"][:1]
+    inputs, replies, pending, users = [], [], [], 0
+    for message in messages:
+        role = message["role"]
+        if role == "system":
+            continue
+        if role == "user":
+            if any(m["role"] == "user" for m in pending):  # a user turn the source left unanswered (target regenerates)
+                inputs.append(pending)
+                replies.append(None)
+                pending = []
+            users += 1
+            if users > max_turns:
+                break
+        if role == "assistant":
+            if pending:
+                inputs.append(pending)
+                replies.append(message)
+            pending = []
+            continue
+        pending.append(message)
+    if pending and users <= max_turns and any(m["role"] == "user" for m in pending):
+        inputs.append(pending)
+        replies.append(None)
+    return system, inputs, replies
+
+
+def turn_key(turn_input: list[dict]) -> str:
+    """A turn's identity in the partial log (Conversation.users)."""
+    if len(turn_input) == 1 and turn_input[0]["role"] == "user" and is_plain(turn_input):
+        return turn_input[0]["content"]
+    return json.dumps([{k: v for k, v in m.items() if v is not None} for m in turn_input], ensure_ascii=False, sort_keys=True)
 
 
 def load_conversations(prompts_path: str, max_turns: int) -> list[Conversation]:
-    """A prompt shard's prompts, nothing answered yet: the leading system turn and at most max_turns user turns (and
-    the source's replies to them, where the prompts keep them)."""
+    """A prompt shard's prompts, nothing answered yet: the leading system turn and the turns answering at most
+    max_turns user turns (and the source's replies to them, where the prompts keep them)."""
     conversations = []
     prompts = read_parquet(prompts_path, written_by=f"build_prompts_{Path(prompts_path).parent.name}")
     for record in prompts.to_pylist():
-        system = [m for m in record["messages"] if m["role"] == "system"][:1]
-        users = [m["content"] for m in record["messages"] if m["role"] == "user"][:max_turns]
-        # A dataset that keeps its source's replies has one after each user turn (eyrie.data.prompts); others have none.
-        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"][:max_turns]
-        conversations.append(Conversation(record["id"], system, users, replies=replies))
+        messages = [{k: v for k, v in m.items() if v is not None} for m in record["messages"]]
+        system, inputs, replies = split_turns(messages, max_turns)
+        # A dataset that keeps its source's replies has one after each turn (eyrie.data.prompts); others have none.
+        kept = [r for r in replies if r is not None]
+        plain = all(len(i) == 1 and i[0]["role"] == "user" and is_plain(i) for i in inputs) and is_plain(kept)
+        conversations.append(Conversation(
+            record["id"], system, [turn_key(i) for i in inputs],
+            # plain chat: the replies' text (none where the target regenerates); else each turn's message or None
+            replies=[r["content"] for r in kept] if plain else replies,
+            inputs=None if plain else inputs, tools=parse_tools(record.get("tools")),
+        ))
     return conversations
 
 
 def make_row(conversation: Conversation, turn: int, finish_reason: str, reply: str, prompt_tokens: int, completion_tokens: int, seconds: float, **extra) -> dict:
-    """One partial-log row: a finished turn, keyed by (id, turn). `extra` holds latency, error, ..."""
-    return {
+    """One partial-log row: a finished turn, keyed by (id, turn). `extra` holds latency, error, reasoning_content,
+    tool_calls, ... A reply whose tool calls are not the source's, before the source's results, ends the conversation."""
+    row = {
         "id": conversation.id,
         "turn": turn,
         "user": conversation.users[turn],
@@ -110,19 +204,24 @@ def make_row(conversation: Conversation, turn: int, finish_reason: str, reply: s
         "seconds": seconds,
         **extra,
     }
+    if finish_reason not in ENDS_CONVERSATION:
+        ends = conversation.ends_after(turn, extra.get("tool_calls"))
+        if ends is not None:
+            row["ends_conversation"] = ends
+    return row
 
 
 def to_record(conversation: Conversation, dataset: str, settings: dict) -> dict:
-    """The completions record (one row of COMPLETIONS_SCHEMA) of a conversation whose turns are all done."""
+    """The completions record (one row of completions_schema) of a conversation whose turns are all done."""
     rows = conversation.answered
     messages = conversation.messages()
     if not any(m["role"] == "assistant" for m in messages):
         # Nothing answered (first prompt too long): keep the question so the record explains itself.
-        messages = conversation.system + [{"role": "user", "content": conversation.users[0]}]
-    return {
+        messages = conversation.system + conversation.turn_input(0)
+    record = {
         "id": conversation.id,
         "dataset": dataset,
-        "messages": messages,
+        "messages": stored_messages(messages, plain=is_plain(messages)),
         "n_turns": sum(r["finish_reason"] not in ENDS_CONVERSATION for r in rows),
         "finish_reason": rows[-1]["finish_reason"],
         "finish_reasons": [r["finish_reason"] for r in rows],
@@ -131,3 +230,6 @@ def to_record(conversation: Conversation, dataset: str, settings: dict) -> dict:
         "seconds": sum(r["seconds"] for r in rows),
         "generation": json.dumps(settings, sort_keys=True),
     }
+    if conversation.tools:
+        record["tools"] = json.dumps(conversation.tools, ensure_ascii=False, sort_keys=True)
+    return record

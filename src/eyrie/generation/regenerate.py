@@ -14,6 +14,17 @@ Engines come in two shapes:
 
 The completions schema, the partial-log row and each request's identity (settings key, seed)
 belong to eyrie.generation.conversations.
+
+A server engine first says what it serves (`identify()`: the served model, checked against
+model.path); that identity names the resume log beside the settings key, so turns a different
+served model answered are never reused, and it is recorded in the shard's metadata (`served`).
+
+Failed turns (a server's rejection other than a prompt over its context, a reply that stayed
+empty: error rows) are never written into a shard. The job saves every other turn and then
+fails, naming them (`FailedTurns`): the shard stays missing, so a plain rerun (no --forcerun) runs
+the job again, which reuses every saved turn and asks exactly the failed ones again (`resume`
+drops error rows). `eyrie verify` lists them meanwhile. So nothing failed is trained on, and
+nothing fails silently: Snakemake's "Nothing to be done" means every turn has a real answer.
 """
 
 from __future__ import annotations
@@ -29,20 +40,25 @@ from tqdm import tqdm
 from eyrie.core.artifacts import PARQUET_KEY
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.batching import batches_by_tokens
+from eyrie.core.errors import EyrieError
 from eyrie.generation.conversations import (
-    COMPLETIONS_SCHEMA,
     ERROR,
     PROMPT_TOO_LONG,
     Conversation,
+    completions_schema,
     load_conversations,
     make_row,
     settings_key,
     stable_seed,
     to_record,
 )
-from eyrie.generation.partial import PartialLog
+from eyrie.generation.partial import PartialLog, log_path
 
 MAX_ERROR_EXAMPLES = 20
+
+
+class FailedTurns(EyrieError):
+    """Turns a server failed (rejected, or answered with nothing): the shard is not written, a rerun asks them again."""
 
 
 def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict]) -> int:
@@ -103,11 +119,14 @@ def _summary(values: list[float]) -> dict | None:
     return {"n": len(values), "mean": sum(values) / len(values), "p50": pick(0.5), "p90": pick(0.9), "max": values[-1]}
 
 
-def _resumed(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str) -> tuple[list[Conversation], PartialLog, int]:
-    """The shard's conversations with the finished turns of its resume log attached, the log, and how many were reused."""
+def _resumed(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str,
+             served: str | None = None) -> tuple[list[Conversation], PartialLog, int]:
+    """The shard's conversations with the finished turns of its resume log attached, the log, and how many were reused.
+
+    served: the identity key of the model a server serves (None: answered in process); it names the log too."""
     conversations = load_conversations(prompts_path, settings["max_turns"])
-    log = PartialLog(Path(partial_dir) / f"{settings_key(settings, model_fingerprint)}.jsonl")
-    return conversations, log, resume(conversations, log.load())
+    log = PartialLog(log_path(partial_dir, settings_key(settings, model_fingerprint), served))
+    return conversations, log, resume(conversations, log.load())  # this job owns the log: load() repairs a torn tail
 
 
 def shard_answered(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str) -> bool:
@@ -131,9 +150,11 @@ def regenerate_shard(
 ) -> dict:
     """Answer every turn of every prompt in the shard; returns the shard's stats.
 
-    engine may be None when shard_answered said every turn is in the resume log.
+    engine may be None when shard_answered said every turn is in the resume log. Raises FailedTurns (after saving
+    every answered turn, writing no shard) when turns failed.
     """
-    conversations, log, reused = _resumed(prompts_path, partial_dir, settings, model_fingerprint)
+    served = engine.identify() if hasattr(engine, "identify") else None  # before any request: what answers
+    conversations, log, reused = _resumed(prompts_path, partial_dir, settings, model_fingerprint, served["key"] if served else None)
     if engine is None and not all(c.ended for c in conversations):
         raise ValueError(f"{prompts_path}: turns are left to answer and no engine was opened")
 
@@ -148,6 +169,9 @@ def regenerate_shard(
     finally:
         progress.close()
 
+    failed = [row for c in conversations for row in c.answered if row["finish_reason"] == ERROR]
+    if failed:
+        raise FailedTurns(failed_turns_message(f"{dataset}/{shard}", failed, log.path, out_path))
     records = [to_record(c, dataset, settings) for c in conversations]
     stats = shard_stats(records, reused, conversations, run)
     metadata = {
@@ -158,16 +182,27 @@ def regenerate_shard(
         "template_sha256": template_sha256,
         "stats": stats,
     }
-    table = pa.Table.from_pylist(records, schema=COMPLETIONS_SCHEMA)
+    if served is not None:
+        metadata["served"] = served
+    table = pa.Table.from_pylist(records, schema=completions_schema(records))
     table = table.replace_schema_metadata({PARQUET_KEY: json.dumps(metadata).encode()})
     write_parquet_atomically(table, out_path)
-    if stats["errors"]:
-        print(
-            f"regenerate {dataset}/{shard}: {stats['errors']} turn(s) rejected by the server, kept as finish_reason "
-            f"{ERROR!r} rows (first: {stats['error_examples'][0]['error'][:200]})",
-            file=sys.stderr,
-        )
+    too_long = [r for c in conversations for r in c.answered if r["finish_reason"] == PROMPT_TOO_LONG and r.get("error")]
+    if too_long:
+        print(f"regenerate {dataset}/{shard}: {len(too_long)} prompt(s) refused by the server as over its context, kept as "
+              f"{PROMPT_TOO_LONG!r} (first: {too_long[0]['error'][:200]})", file=sys.stderr)
     return stats
+
+
+def failed_turns_message(shard: str, failed: list[dict], log: Path, out_path: str) -> str:
+    """What FailedTurns says: how many, the first few with the server's words, and how to ask them again."""
+    shown = "; ".join(f"{r['id']} turn {r['turn']}: {str(r.get('error', ''))[:200]}" for r in failed[:5])
+    more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
+    return (
+        f"regenerate {shard}: {len(failed)} turn(s) failed (the server rejected them or answered with nothing): {shown}{more}. "
+        f"Nothing failed is kept as data: {out_path} is not written; every answered turn is saved in {log}. "
+        "Fix the server (or the prompt), then rerun snakemake as before (no --forcerun): the job asks exactly these turns again"
+    )
 
 
 class ShardProgress:

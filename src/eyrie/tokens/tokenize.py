@@ -2,20 +2,28 @@
 
 The token shard's schema and reader belong to eyrie.tokens.shards. The completions shard is read whole,
 its content digest checked first (eyrie.core.artifacts.read_parquet).
+
+Each conversation gives one sample, or one per assistant turn where the chat template renders its history unstably
+(eyrie.target.chat_template: which layout, and why). Per-turn samples are counted in the stats (``turn_samples``,
+``per_turn_records``), as are turns that could not be located (``unstable_turns``, with record ids in
+``unstable_examples``) and samples cut at max_seq_len (``truncated``, also a warning in the job log).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pyarrow as pa
 
 from eyrie.core.artifacts import PARQUET_KEY, parquet_metadata, read_parquet
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ContractError
-from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.generation.conversations import WRITTEN_BY as COMPLETIONS_WRITTEN_BY
-from eyrie.target.chat_template import tokenize_conversation
+from eyrie.target.chat_template import parse_tools, tokenize_record
+from eyrie.tokens.shards import TOKENS_SCHEMA
+
+MAX_EXAMPLES = 5
 
 
 def answered_messages(messages: list[dict]) -> list[dict]:
@@ -33,34 +41,61 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             f"but the tokenizer's template is {template_sha256[:12]}; regenerate or point model.path at the same target"
         )
     rows, dropped, truncated = [], {}, 0
+    per_turn_records = turn_samples = unstable_turns = reasoning_dropped = 0
+    unstable_examples, cut_examples = [], []
     for record in completions.to_pylist():
         messages = answered_messages(record["messages"])
         if not messages:
             dropped["no_assistant_reply"] = dropped.get("no_assistant_reply", 0) + 1
             continue
-        tokens = tokenize_conversation(tokenizer, messages, max_seq_len)
-        assistant_tokens = sum(tokens.loss_mask)
-        if assistant_tokens == 0:
-            dropped["no_assistant_tokens_after_truncation"] = dropped.get("no_assistant_tokens_after_truncation", 0) + 1
-            continue
-        truncated += tokens.truncated
-        rows.append(
-            {
-                "id": record["id"],
-                "dataset": record["dataset"],
-                "input_ids": tokens.input_ids,
-                "loss_mask": tokens.loss_mask,
-                "n_tokens": len(tokens.input_ids),
-                "n_assistant_tokens": assistant_tokens,
-                "truncated": tokens.truncated,
-            }
+        tokenized = tokenize_record(tokenizer, messages, max_seq_len, parse_tools(record.get("tools")))
+        per_turn_records += tokenized.per_turn
+        reasoning_dropped += tokenized.reasoning_dropped
+        if tokenized.unstable_turns:
+            unstable_turns += len(tokenized.unstable_turns)
+            if len(unstable_examples) < MAX_EXAMPLES:
+                unstable_examples.append({"id": record["id"], "messages": tokenized.unstable_turns})
+        for tokens in tokenized.samples:
+            assistant_tokens = sum(tokens.loss_mask)
+            if assistant_tokens == 0:
+                dropped["no_assistant_tokens_after_truncation"] = dropped.get("no_assistant_tokens_after_truncation", 0) + 1
+                continue
+            truncated += tokens.truncated
+            if tokens.truncated and len(cut_examples) < MAX_EXAMPLES:
+                cut_examples.append(record["id"])
+            # A per-turn sample is named by its record and the message index of the turn it trains.
+            sample_id = record["id"] if tokens.turn is None else f"{record['id']}#{tokens.turn}"
+            turn_samples += tokens.turn is not None
+            rows.append(
+                {
+                    "id": sample_id,
+                    "dataset": record["dataset"],
+                    "input_ids": tokens.input_ids,
+                    "loss_mask": tokens.loss_mask,
+                    "n_tokens": len(tokens.input_ids),
+                    "n_assistant_tokens": assistant_tokens,
+                    "truncated": tokens.truncated,
+                }
+            )
+    if truncated:
+        print(
+            f"warning: {completions_path}: {truncated} sample(s) cut at tokenize.max_seq_len = {max_seq_len} tokens "
+            f"(e.g. {', '.join(cut_examples)}); raise it to train them whole", file=sys.stderr,
         )
+    if unstable_turns:
+        print(f"warning: {completions_path}: {unstable_turns} assistant turn(s) whose rendering does not start with their "
+              f"context, not trained (e.g. {unstable_examples})", file=sys.stderr)
     stats = {
         "records": len(rows),
         "truncated": truncated,
         "dropped": dropped,
         "tokens": sum(r["n_tokens"] for r in rows),
         "assistant_tokens": sum(r["n_assistant_tokens"] for r in rows),
+        "per_turn_records": per_turn_records,
+        "turn_samples": turn_samples,
+        "unstable_turns": unstable_turns,
+        "unstable_examples": unstable_examples,
+        "reasoning_not_rendered": reasoning_dropped,
     }
     metadata = {
         "dataset": source.get("dataset"),
