@@ -175,3 +175,60 @@ def byte_tokenizer(template: str, specials=("<|im_start|>", "<|im_end|>")):
                                         additional_special_tokens=list(specials))
     tokenizer.chat_template = template
     return tokenizer
+
+
+# --------------------------------------------------------------------------- reasoning and tool-calling chat templates
+
+# Qwen3's shape, shortened: tools in the system turn, a think block only on assistant turns after the last user message
+# (earlier turns' thinking dropped, as Qwen3's, DeepSeek-R1's and Kimi-K2-Thinking's templates do), calls in
+# <tool_call> tags, tool results in a user turn.
+THINKING_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}\n<|im_start|>user\n{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'assistant' %}\n<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_query and m.reasoning_content is defined %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>'
+    "{%- elif m.role == 'tool' %}\n<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}"
+)
+
+# Hermes' shape: tools in the system turn, calls in <tool_call> tags, results in a `tool` turn; thinking is kept in every
+# turn, so history renders stably.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions. <tools>{{ tools | tojson }}</tools>"
+    "{% if messages[0].role == 'system' %}\n{{ messages[0].content }}{% endif %}<|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
+    "{%- if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n'
+    "{%- elif m.role == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer(template: str, specials=("<|im_start|>", "<|im_end|>")):
+    """A byte-level tokenizer (one token per byte, no merges) with `specials` and a chat template: exact offsets and
+    round trips, so a test can compare tokens with text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=specials[-1], pad_token=specials[-1],
+                                        additional_special_tokens=list(specials))
+    tokenizer.chat_template = template
+    return tokenizer
