@@ -1,17 +1,21 @@
-"""What many tests build: workspaces and the readers that compare them (tiny targets, drafters and tokenizers join here).
+"""What many tests build: tiny targets, drafters and tokenizers, training inputs, and workspaces with the readers that compare them.
 
-Test modules import from here, never from each other.
+Test modules import from here, never from each other. Each builder takes the shape and seed its callers need, so that a
+test keeps the exact model it was written against.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import torch
 from conftest import REPO
+from safetensors.torch import save_file
 
 from eyrie import config as cfg
 from eyrie.plan import planned_outputs
@@ -57,6 +61,279 @@ def plans_of(workdir) -> tuple[set, set, set]:
     snakemake_plans = {(row[0], row[2]) for row in rows if not row[0].startswith("resources/")}
     planned = planned_outputs(cfg.load(workdir / "config.yaml"))
     return snakemake_plans, {(p.path, p.rule) for p in planned}, {(p.path, p.rule) for p in planned if p.declared_through}
+
+
+# --------------------------------------------------------------------------- tiny targets
+
+CAUSAL_LMS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def llama_config(*, hidden=64, layers=8, vocab=300, heads=4, kv_heads=2, intermediate=None, positions=256, kind="llama", **extra):
+    """A tiny decoder's config (Llama unless `kind` names another family of CAUSAL_LMS); `extra`: any other config field."""
+    import transformers
+
+    config_class = getattr(transformers, CAUSAL_LMS[kind][0])
+    return config_class(hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=positions, **extra)
+
+
+def tiny_llama(save_to: Path | None = None, *, seed: int | None = 0, kind="llama", **shape):
+    """A random float32 causal LM of llama_config(**shape), in eval mode, its weights drawn after torch.manual_seed(seed)
+    (None: from the generator as it stands); saved as an HF directory too when `save_to` is given."""
+    import transformers
+
+    config = llama_config(kind=kind, **shape)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = getattr(transformers, CAUSAL_LMS[kind][1])(config).eval()
+    if save_to is not None:
+        model.save_pretrained(save_to)
+    return model
+
+
+def tiny_target_dir(path: Path, *, hidden=32, layers=8, vocab=120, heads=4, kv_heads=2, intermediate=64, tied=False, seed=0, norm_noise=0.1) -> Path:
+    """A tiny Llama target as training reads it: config.json plus only the embeddings, the final norm (1 + norm_noise * noise)
+    and, untied, the LM head, drawn in that order from a generator seeded with `seed`."""
+    path.mkdir(parents=True, exist_ok=True)
+    llama_config(hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv_heads, intermediate=intermediate, positions=512,
+                 head_dim=hidden // heads, tie_word_embeddings=tied).save_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
+    tensors["model.norm.weight"] = 1 + norm_noise * torch.randn(hidden, generator=g) if norm_noise else torch.ones(hidden)
+    if not tied:
+        tensors["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def tree_target(vocab_size: int = 5, seed: int = 0):
+    """A random float32 8-layer Llama of width 64; a vocabulary of 5 makes a random drafter's trees often hold the target's token."""
+    return tiny_llama(seed=seed, vocab=vocab_size, positions=256, initializer_range=0.2)
+
+
+def six_layer_target(kind: str = "llama", vocab_size: int = 300, initializer_range: float = 0.02, **changes):
+    """A random float32 6-layer causal LM of width 64 of the given family (CAUSAL_LMS), small enough for seconds-long decoding tests."""
+    return tiny_llama(kind=kind, hidden=64, layers=6, vocab=vocab_size, positions=256, initializer_range=initializer_range, **changes)
+
+
+# --------------------------------------------------------------------------- tiny drafters
+
+
+def tiny_drafter(config, draft_vocab: int | None = None, *, aux_layer_ids=(1, 3, 4), seed: int | None = 0, embeddings=None, norm_noise=0.0, **norms):
+    """An EAGLE-3 drafter for a target of `config`, keeping every (V // draft_vocab)-th token (all by default): random
+    embeddings drawn after torch.manual_seed(seed) unless `embeddings` are given, its 1-d weights moved by norm_noise * noise
+    (all-ones norms would hide a swapped one). norms: DrafterShape's norm_before_fc / norm_output."""
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+
+    V, H = config.vocab_size, config.hidden_size
+    draft_vocab = draft_vocab or V
+    if seed is not None:
+        torch.manual_seed(seed)
+    draft_ids = torch.arange(0, V, V // draft_vocab)[:draft_vocab]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    shape = DrafterShape.from_target(config, draft_vocab, list(aux_layer_ids), **norms)
+    model = Eagle3Drafter(shape, torch.randn(V, H) if embeddings is None else embeddings, draft_ids - torch.arange(draft_vocab), t2d)
+    if norm_noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(norm_noise * torch.randn_like(p))
+    return model.eval()
+
+
+def wide_drafter(model, aux_layer_ids=(0, 2, 3), scale: float = 0.2):
+    """A random drafter over the target's whole vocabulary, its weights wide enough to disagree and agree with the target."""
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+
+    vocab = model.config.vocab_size
+    shape = DrafterShape.from_target(model.config, vocab, list(aux_layer_ids))
+    drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for weight in drafter.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, scale)
+    return drafter.eval()
+
+
+def random_drafter(model, draft_vocab_size: int | None = None, scale: float | None = None, seed: int = 1):
+    """Random EAGLE-3 drafter over a random part of the target's vocabulary (the whole of it by default), on the default aux layers."""
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+    from eyrie.target.aux_layers import default_aux_layer_ids
+
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    draft_vocab_size = draft_vocab_size or vocab
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
+    target_to_draft = torch.zeros(vocab, dtype=torch.bool)
+    target_to_draft[kept] = True
+    shape = DrafterShape.from_target(model.config, draft_vocab_size, default_aux_layer_ids(model.config.num_hidden_layers))
+    drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab_size), target_to_draft)
+    if scale:  # wide weights: sharper draft distributions, so the tree's order means something
+        with torch.no_grad():
+            for weight in drafter.parameters():
+                if weight.dim() == 2:
+                    weight.normal_(0, scale)
+    return drafter.eval()
+
+
+TREE_SHAPES = [(3, 2, 4), (5, 4, 8), (4, 3, 10)]  # SGLang's (steps, topk, draft tokens), small enough for a tiny target
+
+
+def check_tree_result(result, expected, steps):
+    """A tree decode's tokens are `expected` and its counts add up: one target forward per round plus the prefill, depth d needs d - 1."""
+    assert result.tokens == expected
+    assert result.target_forwards == result.rounds + 1
+    assert sum(result.acceptance_lengths) == len(result.tokens) - 1  # the prefill's token is not a round's
+    assert all(1 <= length <= steps + 1 for length in result.acceptance_lengths)
+    per_depth = result.accepted_per_position
+    assert len(per_depth) == steps and all(a >= b for a, b in itertools.pairwise(per_depth))
+
+
+# --------------------------------------------------------------------------- tiny tokenizers
+
+
+def word_tokenizer(template: str, specials: list[str], *, words: list[str], eos: str, bos: str | None = None):
+    """A word-level tokenizer over [UNK], `specials` and `words` with a real chat template: a random model over it ends turns often."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["[UNK]", *specials, *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    others = [s for s in specials if s not in (eos, bos)]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token=eos, bos_token=bos, pad_token=eos,
+                                        additional_special_tokens=others)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- training inputs
+
+TRAIN_TEMPLATE = "a" * 64  # the chat template's digest the training inputs below carry
+TRAIN_FINGERPRINT = "f" * 64  # and the target's fingerprint
+
+
+def training_drafter(V=120, H=32, Vd=None, seed=0, **norms):
+    """The drafter training tests train: tiny_drafter of a width-H, 8-layer target over V tokens, norms moved by 0.1 * noise so
+    that every weight matters. norms: DrafterShape's norm_before_fc / norm_output (drafter.*)."""
+    config = llama_config(hidden=H, layers=8, vocab=V, intermediate=64, positions=512, head_dim=H // 4)
+    return tiny_drafter(config, Vd, seed=seed, norm_noise=0.1, **norms)
+
+
+def write_training_cache(path, samples, *, H, layers, aux_ids=None, template=TRAIN_TEMPLATE, fingerprint=TRAIN_FINGERPRINT, seed=0, aux_width=None, final_scale=1.0,
+                sample_ids=None, states=None):
+    """A hidden-state cache shard in eyrie.hidden.cache's format, with random states from a fixed seed (or `states`: (aux, final) rows)."""
+    aux_ids = aux_ids or [1, layers // 2 - 1, layers - 4]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.as_tensor(s[0], dtype=torch.int32) for s in samples])
+    mask = torch.cat([torch.as_tensor(s[1], dtype=torch.int8) for s in samples])
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([len(s[0]) for s in samples]), 0)
+    T = ids.numel()
+    aux, final = states if states is not None else (torch.randn(T, aux_width or 3 * H, generator=g), final_scale * torch.randn(T, H, generator=g))
+    tensors = {
+        "aux_hidden": aux.to(torch.bfloat16),
+        "final_hidden": final.to(torch.bfloat16),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "offsets": offsets,
+    }
+    manifest = {
+        "format": "eyrie-hidden/1",
+        "aux_layer_ids": aux_ids,
+        "capture_indices": [i + 1 for i in aux_ids],
+        "num_hidden_layers": layers,
+        "hidden_size": H,
+        "target_model_fingerprint": fingerprint,
+        "template_sha256": template,
+        "dtype": "bfloat16",
+        "samples": len(samples),
+        "tokens": T,
+        "ids": sample_ids or [f"s{k}" for k in range(len(samples))],
+    }
+    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
+    return str(path)
+
+
+def write_training_vocab(path, draft_ids, V, template=TRAIN_TEMPLATE):
+    """A draft vocabulary file keeping `draft_ids` of V target tokens."""
+    draft_ids = torch.as_tensor(sorted(draft_ids), dtype=torch.int64)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors = {
+        "d2t": draft_ids - torch.arange(draft_ids.numel()),
+        "t2d": t2d,
+        "counts": torch.ones(V, dtype=torch.int64),
+        "draft_ids": draft_ids,
+    }
+    manifest = {"draft_vocab_size": draft_ids.numel(), "target_vocab_size": V, "template_sha256": template}
+    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
+    return str(path)
+
+
+def random_samples(n, length, V, seed=0):
+    """n (ids, loss mask) samples of `length` tokens (or of each length of a list), the first two tokens unmasked."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [length] * n if isinstance(length, int) else length
+    return [(torch.randint(0, V, (L,), generator=g).tolist(), [0] * 2 + [1] * (L - 2)) for L in lengths]
+
+
+def tiny_setup(tmp_path, *, samples=None, V=120, H=32, layers=8, draft_ids=None, tied=False, **cache_kw):
+    """train_drafter's inputs under tmp_path: a tiny target, one cache shard of `samples` (two of 24 tokens) and a vocabulary."""
+    target = tiny_target_dir(tmp_path / "target", hidden=H, vocab=V, layers=layers, tied=tied)
+    samples = samples or random_samples(2, 24, V)
+    cache = write_training_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers, **cache_kw)
+    vocab = write_training_vocab(tmp_path / "vocab.safetensors", draft_ids if draft_ids is not None else range(V), V)
+    return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
+
+
+def train_tiny(tmp_path, inputs, name="drafter", drafter=None, train=None, **kw):
+    """train_drafter on `inputs` (tiny_setup's) into tmp_path/name: three TTT steps, one float32 epoch on the CPU unless changed."""
+    from eyrie.training.train import train_drafter
+
+    return train_drafter(
+        **inputs,
+        out_dir=str(tmp_path / name),
+        state_dir=str(tmp_path / f"{name}.state"),
+        drafter_cfg={"ttt_steps": 3, **(drafter or {})},
+        train_cfg={"epochs": 1, "dtype": "float32", "device": "cpu", "log_every": 1, **(train or {})},
+        template_sha256=TRAIN_TEMPLATE,
+        target_fingerprint=TRAIN_FINGERPRINT,
+        progress=False,
+        **kw,
+    )
+
+
+def without_seconds(evaluations):
+    """Eval records less their wall time, the one figure that differs between runs."""
+    if isinstance(evaluations, dict):
+        return {k: v for k, v in evaluations.items() if k != "seconds"}
+    return None if evaluations is None else [without_seconds(e) for e in evaluations]
+
+
+def train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5, **norms):
+    """One train_step on a tiny drafter (norms: training_drafter's): (result, gradients, the objective's CompiledLayers)."""
+    from eyrie.training.objective import TTTObjective, train_step
+    from eyrie.training.optimizer import make_optimizer
+
+    model = training_drafter(Vd=40, **norms).train()
+    g = torch.Generator().manual_seed(seed)
+    H, V = 32, 120
+    lengths = torch.tensor([L] + [max(3, L - 4)] * (B - 1))  # padded rows too
+    batch = {
+        "aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g),
+        "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2,
+        "lengths": lengths, "tokens": int(lengths.sum()),
+    }
+    objective = TTTObjective(model, 3, 0.8, attention=attention, recompute_mlp=recompute_mlp, compile=compile)
+    optimizer = make_optimizer(model, 1e-2, 0.0)
+    result = train_step(objective, optimizer, batch, target_lm_head=torch.randn(V, H, generator=g), draft_ids=torch.arange(40) + model.d2t,
+                        t2d=model.t2d, max_grad_norm=1e6, use_bf16=use_bf16)  # no clipping: the raw gradients are compared
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return result, grads, objective.compiled
 
 
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3_text", "gemma3", "mistral")  # tiny_family_config's names
@@ -118,63 +395,6 @@ def tiny_family_target(family: str, directory: Path, tokenizer_dir: Path | None 
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
-
-
-# --------------------------------------------------------------------------- reasoning and tool-calling chat templates
-
-# Qwen3's shape, shortened: tools in the system turn, a think block only on assistant turns after the last user message
-# (earlier turns' thinking dropped, as Qwen3's, DeepSeek-R1's and Kimi-K2-Thinking's templates do), calls in
-# <tool_call> tags, tool results in a user turn.
-THINKING_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}\n<|im_start|>user\n{{ m.content }}<|im_end|>"
-    "{%- elif m.role == 'assistant' %}\n<|im_start|>assistant\n"
-    "{%- if loop.index0 > ns.last_query and m.reasoning_content is defined %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
-    "{{ m.content }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}\n<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>'
-    "{%- elif m.role == 'tool' %}\n<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}"
-)
-
-# Hermes' shape: tools in the system turn, calls in <tool_call> tags, results in a `tool` turn; thinking is kept in every
-# turn, so history renders stably.
-TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call functions. <tools>{{ tools | tojson }}</tools>"
-    "{% if messages[0].role == 'system' %}\n{{ messages[0].content }}{% endif %}<|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
-    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n"
-    "{%- if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
-    "{%- if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n'
-    "{%- elif m.role == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def byte_tokenizer(template: str, specials=("<|im_start|>", "<|im_end|>")):
-    """A byte-level tokenizer (one token per byte, no merges) with `specials` and a chat template: exact offsets and
-    round trips, so a test can compare tokens with text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    backend = Tokenizer(models.BPE(vocab, [], unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=specials[-1], pad_token=specials[-1],
-                                        additional_special_tokens=list(specials))
-    tokenizer.chat_template = template
-    return tokenizer
 
 
 # --------------------------------------------------------------------------- reasoning and tool-calling chat templates

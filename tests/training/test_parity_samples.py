@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from training.test_train import run, tiny_setup
+from factories import tiny_setup, train_tiny
 
 from eyrie.drafter.checkpoint import CheckpointError, read_parity_samples
 
@@ -31,7 +31,7 @@ def test_the_parity_samples_are_held_out_prompts_whose_walks_add_up_to_the_first
     of the simulation's walked_first_turn_length (all held-out samples kept here: their sums are that record's)."""
     samples = two_turn_samples(24)
     inputs = tiny_setup(tmp_path, samples=samples, V=120)
-    run(tmp_path, inputs, train={"batch_tokens": 200, "eval_fraction": 0.5, "learning_rate": 3e-3})
+    train_tiny(tmp_path, inputs, train={"batch_tokens": 200, "eval_fraction": 0.5, "learning_rate": 3e-3})
     record = read_parity_samples(tmp_path / "drafter")
     summary = json.loads((tmp_path / "drafter" / "config.json").read_text())["eyrie"]["simulated_acceptance"]
     assert record["k"] == [1, 2, 3] and record["source"] == "held-out cache samples"
@@ -48,7 +48,7 @@ def test_the_parity_samples_are_held_out_prompts_whose_walks_add_up_to_the_first
 
 def test_a_changed_parity_file_is_refused_by_name(tmp_path):
     inputs = tiny_setup(tmp_path, samples=two_turn_samples(24), V=120)
-    run(tmp_path, inputs, train={"batch_tokens": 200, "eval_fraction": 0.5})
+    train_tiny(tmp_path, inputs, train={"batch_tokens": 200, "eval_fraction": 0.5})
     path = tmp_path / "drafter" / "parity_samples.json"
     data = json.loads(path.read_text())
     data["samples"][0]["emitted"][0] += 1
@@ -60,6 +60,6 @@ def test_a_changed_parity_file_is_refused_by_name(tmp_path):
 
 def test_a_cache_too_small_to_hold_samples_out_keeps_none(tmp_path):
     inputs = tiny_setup(tmp_path, samples=two_turn_samples(6), V=120)
-    run(tmp_path, inputs, train={"batch_tokens": 200})
+    train_tiny(tmp_path, inputs, train={"batch_tokens": 200})
     assert read_parity_samples(tmp_path / "drafter") is None
     assert not (tmp_path / "drafter" / "parity_samples.json").exists()

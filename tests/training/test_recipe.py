@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
+from factories import random_samples, tiny_setup, train_step_once, train_tiny, training_drafter, without_seconds
 from safetensors.torch import load_file
-from training.test_train import _train_step_once, random_samples, run, tiny_setup, without_seconds
 
 import eyrie.training.train as train_module
 from eyrie.drafter.checkpoint import load_drafter, read_simulated_acceptance
@@ -63,7 +63,7 @@ def test_keep_best_writes_the_best_epochs_weights_and_says_so(tmp_path, monkeypa
     inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
     snapshots: dict = {}
     scripted_simulation(monkeypatch, hits, snapshots)
-    summary = run(tmp_path, inputs, train={**TRAIN, "epochs": 3})
+    summary = train_tiny(tmp_path, inputs, train={**TRAIN, "epochs": 3})
     assert summary["steps"] == 12 and sorted(snapshots) == [4, 8, 12]
 
     written = load_file(str(tmp_path / "drafter" / "model.safetensors"))
@@ -90,7 +90,7 @@ def test_without_keep_best_the_last_epoch_is_written(tmp_path, monkeypatch):
     inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
     snapshots: dict = {}
     scripted_simulation(monkeypatch, {4: 5, 8: 9, 12: 6}, snapshots)
-    summary = run(tmp_path, inputs, train={**TRAIN, "epochs": 3, "keep_best": False})
+    summary = train_tiny(tmp_path, inputs, train={**TRAIN, "epochs": 3, "keep_best": False})
     written = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     for name, weight in snapshots[12].items():
         assert torch.equal(written[name], weight), name
@@ -108,7 +108,7 @@ def test_a_kill_and_resume_with_every_recipe_option_writes_the_same_bytes(tmp_pa
     hits = {4: 9, 8: 5, 10: 6}
     snapshots: dict = {}
     scripted_simulation(monkeypatch, hits, snapshots)
-    full = run(tmp_path, inputs, "full", drafter=drafter, train=train)
+    full = train_tiny(tmp_path, inputs, "full", drafter=drafter, train=train)
     assert full["steps"] == 10 and full["kept"]["step"] == 4
 
     class Crash(RuntimeError):
@@ -119,10 +119,10 @@ def test_a_kill_and_resume_with_every_recipe_option_writes_the_same_bytes(tmp_pa
             raise Crash
 
     with pytest.raises(Crash):
-        run(tmp_path, inputs, "resumed", drafter=drafter, train=train, save_every_steps=3, on_step=crash_at_7)
+        train_tiny(tmp_path, inputs, "resumed", drafter=drafter, train=train, save_every_steps=3, on_step=crash_at_7)
     state = json.loads((tmp_path / "resumed.state" / "state.json").read_text())
     assert state["step"] == 6 and state["best"]["step"] == 4  # saved at steps 3, 4 (epoch end) and 6
-    resumed = run(tmp_path, inputs, "resumed", drafter=drafter, train=train, save_every_steps=3)
+    resumed = train_tiny(tmp_path, inputs, "resumed", drafter=drafter, train=train, save_every_steps=3)
     assert resumed["resumed_from_step"] == 6 and resumed["kept"] == full["kept"]
     assert (tmp_path / "full" / "model.safetensors").read_bytes() == (tmp_path / "resumed" / "model.safetensors").read_bytes()
     configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("full", "resumed")]
@@ -177,7 +177,6 @@ def test_hard_labels_mix_a_one_hot_on_the_targets_argmax_into_its_distribution(w
 def test_hard_label_weight_one_trains_on_the_targets_argmax_alone(tmp_path):
     """w = 1: the loss of a training step is the cross-entropy of the draft logits against the target's argmax, computed
     here from the drafter's own logits; training with it writes other weights than soft labels and records the setting."""
-    from training.test_train import tiny_model
 
     from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, ttt_hidden
     from eyrie.training.optimizer import make_optimizer
@@ -189,7 +188,7 @@ def test_hard_label_weight_one_trains_on_the_targets_argmax_alone(tmp_path):
              "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2,
              "lengths": lengths, "tokens": int(lengths.sum())}
     head = torch.randn(V, H, generator=g)
-    model = tiny_model(Vd=40)
+    model = training_drafter(Vd=40)
     draft_ids = torch.arange(40) + model.d2t
     with torch.no_grad():  # the expected loss, before the step changes the weights: sum_j 0.8^j * mean_j CE(logits, argmax)
         _, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), head, draft_ids, model.t2d)
@@ -203,8 +202,8 @@ def test_hard_label_weight_one_trains_on_the_targets_argmax_alone(tmp_path):
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
 
     inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
-    run(tmp_path, inputs, "soft", train={**TRAIN, "epochs": 1})
-    run(tmp_path, inputs, "hard", train={**TRAIN, "epochs": 1, "hard_label_weight": 1.0})
+    train_tiny(tmp_path, inputs, "soft", train={**TRAIN, "epochs": 1})
+    train_tiny(tmp_path, inputs, "hard", train={**TRAIN, "epochs": 1, "hard_label_weight": 1.0})
     soft, hard = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("soft", "hard"))
     assert not torch.equal(soft["fc.weight"], hard["fc.weight"])
     assert json.loads((tmp_path / "hard" / "config.json").read_text())["eyrie"]["train"]["hard_label_weight"] == 1.0
@@ -261,7 +260,6 @@ def test_copy_weight_scales_the_label_rows_prompt_lookup_would_draft():
 def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp_path):
     """The step's loss is sum_j 0.8^j * sum over step j's positions of w(label) * CE(label) / count_j, computed here from the
     drafter's own logits; a run with it trains other weights than without, and records the setting."""
-    from training.test_train import tiny_model
 
     from eyrie.training.copyable import copyable_positions
     from eyrie.training.objective import TTTObjective, train_step
@@ -270,7 +268,7 @@ def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp
     batch = _looping_batch()
     lengths, w = batch["lengths"], 4.0
     head = torch.randn(120, 32, generator=torch.Generator().manual_seed(3))
-    model = tiny_model(Vd=120)
+    model = training_drafter(Vd=120)
     draft_ids = torch.arange(120) + model.d2t
     copyable = copyable_positions(batch["input_ids"], lengths, 120, 3)
     # The label's row sits at t + 1 + j.
@@ -282,8 +280,8 @@ def test_a_training_step_with_copy_weight_weighs_each_copyable_label_w_times(tmp
 
     samples = [(ids + ids[2:], [0] * 2 + [1] * (2 * len(ids) - 4)) for ids, _ in random_samples(**SAMPLES)]  # replies that quote
     inputs = tiny_setup(tmp_path, samples=samples, V=120)
-    run(tmp_path, inputs, "plain", train={**TRAIN, "epochs": 1})
-    run(tmp_path, inputs, "copying", train={**TRAIN, "epochs": 1, "copy_weight": 4.0})
+    train_tiny(tmp_path, inputs, "plain", train={**TRAIN, "epochs": 1})
+    train_tiny(tmp_path, inputs, "copying", train={**TRAIN, "epochs": 1, "copy_weight": 4.0})
     plain, copying = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "copying"))
     assert not torch.equal(plain["fc.weight"], copying["fc.weight"])
     assert json.loads((tmp_path / "copying" / "config.json").read_text())["eyrie"]["train"]["copy_weight"] == 4.0
@@ -321,7 +319,6 @@ def test_prompt_labels_add_the_prompts_tokens_and_weigh_only_their_rows():
 def test_a_training_step_with_prompt_labels_trains_the_prompts_positions_at_their_weight(tmp_path):
     """The step's loss is sum_j 0.8^j * sum over step j's positions (now the prompts' too) of w(label) * CE(label) / count_j;
     a run with it trains other weights than without, and records the setting; its held-out simulation counts replies only."""
-    from training.test_train import tiny_model
 
     from eyrie.training.objective import TTTObjective, train_step, trained_tokens
     from eyrie.training.optimizer import make_optimizer
@@ -329,7 +326,7 @@ def test_a_training_step_with_prompt_labels_trains_the_prompts_positions_at_thei
     batch = _looping_batch()
     loss_mask, lengths, w = batch["loss_mask"], batch["lengths"], 0.5
     head = torch.randn(120, 32, generator=torch.Generator().manual_seed(3))
-    model = tiny_model(Vd=120)
+    model = training_drafter(Vd=120)
     draft_ids = torch.arange(120) + model.d2t
     trained = trained_tokens(loss_mask, lengths, w)
     # Step j predicts token t + 2 + j.
@@ -342,8 +339,8 @@ def test_a_training_step_with_prompt_labels_trains_the_prompts_positions_at_thei
 
     samples = [(ids, [0] * 6 + [1] * (len(ids) - 6)) for ids, _ in random_samples(**SAMPLES)]  # prompts of 6 tokens
     inputs = tiny_setup(tmp_path, samples=samples, V=120)
-    run(tmp_path, inputs, "replies", train={**TRAIN, "epochs": 1})
-    run(tmp_path, inputs, "prompts", train={**TRAIN, "epochs": 1, "prompt_label_weight": 1.0})
+    train_tiny(tmp_path, inputs, "replies", train={**TRAIN, "epochs": 1})
+    train_tiny(tmp_path, inputs, "prompts", train={**TRAIN, "epochs": 1, "prompt_label_weight": 1.0})
     replies, prompts = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("replies", "prompts"))
     assert not torch.equal(replies["fc.weight"], prompts["fc.weight"])
     config = json.loads((tmp_path / "prompts" / "config.json").read_text())
@@ -395,12 +392,12 @@ def test_hidden_noise_reaches_training_steps_only(tmp_path, monkeypatch):
         real_noise(aux, refs, amplitude, seed=seed, epoch=epoch)
 
     monkeypatch.setattr(train_module, "add_hidden_noise", spy)
-    run(tmp_path, inputs, "noised", train={**TRAIN, "epochs": 2, "hidden_noise": 0.5, "keep_best": False})
+    train_tiny(tmp_path, inputs, "noised", train={**TRAIN, "epochs": 2, "hidden_noise": 0.5, "keep_best": False})
     batches = [sorted(r) for r, _, _ in calls]
     assert len(calls) == 8 and {amplitude for _, amplitude, _ in calls} == {0.5} and [e for _, _, e in calls] == [0] * 4 + [1] * 4
     samples = sorted(ref for refs in batches[:4] for ref in refs)
     assert len(samples) == 5 and sorted(ref for refs in batches[4:] for ref in refs) == samples  # each training sample once per epoch
-    run(tmp_path, inputs, "plain", train={**TRAIN, "epochs": 2, "keep_best": False})
+    train_tiny(tmp_path, inputs, "plain", train={**TRAIN, "epochs": 2, "keep_best": False})
     assert len(calls) == 8  # hidden_noise 0: never called
     noised, plain = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("noised", "plain"))
     assert not torch.equal(noised["fc.weight"], plain["fc.weight"])
@@ -426,7 +423,7 @@ def test_learning_rate_schedules_share_the_warmup_then_decay_as_named():
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
 def test_the_training_log_follows_the_schedule(tmp_path, schedule):
     inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
-    run(tmp_path, inputs, train={**TRAIN, "epochs": 2, "lr_schedule": schedule})
+    train_tiny(tmp_path, inputs, train={**TRAIN, "epochs": 2, "lr_schedule": schedule})
     log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     assert [e["lr"] for e in log] == [learning_rate(step, 8, 3e-3, 0.2, schedule) for step in range(8)]
 
@@ -437,8 +434,8 @@ def test_the_training_log_follows_the_schedule(tmp_path, schedule):
 def test_compiled_train_step_with_both_norms_equals_eager():
     """train.compile's layer_output applies norm_output's norm as the eager layer does (with MLP recompute replaying it)."""
     norms = {"norm_before_fc": True, "norm_output": True}
-    eager, eager_grads, _ = _train_step_once(False, "eager", True, **norms)
-    result, grads, compiled = _train_step_once(True, "eager", True, **norms)
+    eager, eager_grads, _ = train_step_once(False, "eager", True, **norms)
+    result, grads, compiled = train_step_once(True, "eager", True, **norms)
     assert compiled.error is None, compiled.error
     assert abs(result["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"])
     assert len(grads) == 14 and grads["input_norm.weight"].abs().max() > 0  # the aux norm trains
@@ -449,6 +446,6 @@ def test_compiled_train_step_with_both_norms_equals_eager():
 def test_the_held_out_simulation_runs_the_normed_drafter(tmp_path):
     """Both norms through a real run: the simulation ran (no scripted stand-in) and its record is config.json's."""
     inputs = tiny_setup(tmp_path, samples=random_samples(**SAMPLES), V=120)
-    summary = run(tmp_path, inputs, drafter={"norm_before_fc": True, "norm_output": True}, train={**TRAIN, "epochs": 1})
+    summary = train_tiny(tmp_path, inputs, drafter={"norm_before_fc": True, "norm_output": True}, train={**TRAIN, "epochs": 1})
     assert without_seconds(read_simulated_acceptance(tmp_path / "drafter")) == without_seconds(summary["simulated_acceptance"])
     assert summary["simulated_acceptance"]["positions_per_step"][0] > 0

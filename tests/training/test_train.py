@@ -8,19 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import (
+    TRAIN_FINGERPRINT,
+    TRAIN_TEMPLATE,
+    random_samples,
+    tiny_setup,
+    tiny_target_dir,
+    train_step_once,
+    train_tiny,
+    training_drafter,
+    without_seconds,
+    write_training_cache,
+    write_training_vocab,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eyrie.core.errors import EyrieError
 from eyrie.drafter.checkpoint import CheckpointError, check_checkpoint, load_drafter
-from eyrie.drafter.model import DraftCache, DrafterShape, Eagle3Drafter
+from eyrie.drafter.model import DraftCache, DrafterShape
 from eyrie.target.head import load_target_head, target_text_config
 from eyrie.training.errors import TrainingInputError
 from eyrie.training.objective import needed_targets, step_targets, target_distribution, ttt_forward, ttt_loss
-from eyrie.training.train import train_drafter
 
-TEMPLATE = "a" * 64
-FINGERPRINT = "f" * 64
+TEMPLATE, FINGERPRINT = TRAIN_TEMPLATE, TRAIN_FINGERPRINT
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,133 +42,11 @@ def one_thread(one_torch_thread):
 # --------------------------------------------------------------------------- builders
 
 
-def make_target(path, *, H=32, heads=4, kv_heads=2, intermediate=64, layers=8, V=120, tied=False, seed=0):
-    """A tiny Llama target: config.json plus only the tensors training reads (embeddings, head, final norm)."""
-    from transformers import LlamaConfig
-
-    path.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(
-        hidden_size=H,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=H // heads,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        vocab_size=V,
-        max_position_embeddings=512,
-        tie_word_embeddings=tied,
-    ).save_pretrained(path)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {"model.embed_tokens.weight": torch.randn(V, H, generator=g), "model.norm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
-    if not tied:
-        tensors["lm_head.weight"] = torch.randn(V, H, generator=g)
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
-
-
-def write_cache(path, samples, *, H, layers, aux_ids=None, template=TEMPLATE, fingerprint=FINGERPRINT, seed=0, aux_width=None, final_scale=1.0,
-                sample_ids=None, states=None):
-    """A hidden-state cache shard in eyrie.hidden.cache's format, with random states from a fixed seed (or `states`: (aux, final) rows)."""
-    aux_ids = aux_ids or [1, layers // 2 - 1, layers - 4]
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.cat([torch.as_tensor(s[0], dtype=torch.int32) for s in samples])
-    mask = torch.cat([torch.as_tensor(s[1], dtype=torch.int8) for s in samples])
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.tensor([len(s[0]) for s in samples]), 0)
-    T = ids.numel()
-    aux, final = states if states is not None else (torch.randn(T, aux_width or 3 * H, generator=g), final_scale * torch.randn(T, H, generator=g))
-    tensors = {
-        "aux_hidden": aux.to(torch.bfloat16),
-        "final_hidden": final.to(torch.bfloat16),
-        "input_ids": ids,
-        "loss_mask": mask,
-        "offsets": offsets,
-    }
-    manifest = {
-        "format": "eyrie-hidden/1",
-        "aux_layer_ids": aux_ids,
-        "capture_indices": [i + 1 for i in aux_ids],
-        "num_hidden_layers": layers,
-        "hidden_size": H,
-        "target_model_fingerprint": fingerprint,
-        "template_sha256": template,
-        "dtype": "bfloat16",
-        "samples": len(samples),
-        "tokens": T,
-        "ids": sample_ids or [f"s{k}" for k in range(len(samples))],
-    }
-    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
-    return str(path)
-
-
-def write_vocab(path, draft_ids, V, template=TEMPLATE):
-    draft_ids = torch.as_tensor(sorted(draft_ids), dtype=torch.int64)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[draft_ids] = True
-    tensors = {
-        "d2t": draft_ids - torch.arange(draft_ids.numel()),
-        "t2d": t2d,
-        "counts": torch.ones(V, dtype=torch.int64),
-        "draft_ids": draft_ids,
-    }
-    manifest = {"draft_vocab_size": draft_ids.numel(), "target_vocab_size": V, "template_sha256": template}
-    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
-    return str(path)
-
-
-def random_samples(n, length, V, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = [length] * n if isinstance(length, int) else length
-    return [(torch.randint(0, V, (L,), generator=g).tolist(), [0] * 2 + [1] * (L - 2)) for L in lengths]
-
-
-def tiny_setup(tmp_path, *, samples=None, V=120, H=32, layers=8, draft_ids=None, tied=False, **cache_kw):
-    target = make_target(tmp_path / "target", H=H, V=V, layers=layers, tied=tied)
-    samples = samples or random_samples(2, 24, V)
-    cache = write_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers, **cache_kw)
-    vocab = write_vocab(tmp_path / "vocab.safetensors", draft_ids if draft_ids is not None else range(V), V)
-    return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
-
-
-def run(tmp_path, inputs, name="drafter", drafter=None, train=None, **kw):
-    return train_drafter(
-        **inputs,
-        out_dir=str(tmp_path / name),
-        state_dir=str(tmp_path / f"{name}.state"),
-        drafter_cfg={"ttt_steps": 3, **(drafter or {})},
-        train_cfg={"epochs": 1, "dtype": "float32", "device": "cpu", "log_every": 1, **(train or {})},
-        template_sha256=TEMPLATE,
-        target_fingerprint=FINGERPRINT,
-        progress=False,
-        **kw,
-    )
-
-
-def tiny_model(V=120, H=32, Vd=None, seed=0, **norms):
-    """norms: DrafterShape's norm_before_fc / norm_output (drafter.*)."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=64,
-                         num_hidden_layers=8, vocab_size=V, max_position_embeddings=512)
-    Vd = Vd or V
-    torch.manual_seed(seed)
-    draft_ids = torch.arange(0, V, V // Vd)[:Vd]
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[draft_ids] = True
-    shape = DrafterShape.from_target(config, Vd, [1, 3, 4], **norms)
-    model = Eagle3Drafter(shape, torch.randn(V, H), draft_ids - torch.arange(Vd), t2d)
-    with torch.no_grad():  # non-trivial norms so that every weight matters
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
-
-
 # --------------------------------------------------------------------------- TTT alignment
 
 
 def test_step_inputs_are_tokens_t_plus_1_plus_j_at_rotary_position_t_plus_j(monkeypatch):
-    model = tiny_model()
+    model = training_drafter()
     L, steps = 10, 4
     ids = torch.arange(100, 100 + L).unsqueeze(0)  # token t is 100 + t: the fed ids name their index
     seen = []
@@ -242,7 +131,7 @@ def test_target_distribution_is_renormalised_over_draft_ids_and_chunked():
 @pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}])
 def test_training_forward_equals_chained_inference_decode(norms):
     """Step j at position t in training == the j-th chained draft after position t at inference; also with the EAGLE-3.1 norms."""
-    model = tiny_model(Vd=40, **norms)
+    model = training_drafter(Vd=40, **norms)
     steps, lengths = 4, torch.tensor([12, 8])
     B, L = 2, 12
     torch.manual_seed(1)
@@ -269,7 +158,7 @@ def test_training_forward_equals_chained_inference_decode(norms):
 
 
 def test_loss_is_decay_weighted_soft_cross_entropy():
-    model = tiny_model(Vd=40)
+    model = training_drafter(Vd=40)
     torch.manual_seed(2)
     B, L, steps = 2, 10, 3
     lengths = torch.tensor([10, 7])
@@ -298,7 +187,7 @@ def test_loss_is_decay_weighted_soft_cross_entropy():
 def test_overfits_a_small_fixed_batch(tmp_path):
     V = 96
     inputs = tiny_setup(tmp_path, samples=random_samples(2, 48, V, seed=3), V=V, final_scale=3.0)
-    summary = run(tmp_path, inputs, drafter={"ttt_steps": 3},
+    summary = train_tiny(tmp_path, inputs, drafter={"ttt_steps": 3},
                   train={"epochs": 60, "learning_rate": 1e-2, "warmup_ratio": 0.05, "batch_tokens": 96, "max_grad_norm": 1.0})
     log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     assert summary["steps"] == 60 and len(log) == 60
@@ -316,7 +205,7 @@ def test_resume_continues_and_ends_with_the_same_weights(tmp_path):
     inputs = tiny_setup(tmp_path, samples=samples, V=V)
     train = {"epochs": 2.5, "batch_tokens": 40, "learning_rate": 3e-3, "warmup_ratio": 0.2}
 
-    full = run(tmp_path, inputs, "full", train=train)
+    full = train_tiny(tmp_path, inputs, "full", train=train)
     assert full["steps"] == 10 and full["resumed_from_step"] == 0  # 4 batches per epoch
 
     class Crash(RuntimeError):
@@ -327,11 +216,11 @@ def test_resume_continues_and_ends_with_the_same_weights(tmp_path):
             raise Crash
 
     with pytest.raises(Crash):
-        run(tmp_path, inputs, "resumed", train=train, save_every_steps=3, on_step=crash_at_5)
+        train_tiny(tmp_path, inputs, "resumed", train=train, save_every_steps=3, on_step=crash_at_5)
     assert not (tmp_path / "resumed").exists()  # the declared output is written once, at the end
     assert json.loads((tmp_path / "resumed.state" / "state.json").read_text())["step"] == 4  # saved at the end of epoch 1
 
-    resumed = run(tmp_path, inputs, "resumed", train=train, save_every_steps=3)
+    resumed = train_tiny(tmp_path, inputs, "resumed", train=train, save_every_steps=3)
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 10
     a = load_file(str(tmp_path / "full" / "model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
@@ -344,7 +233,7 @@ def test_resume_continues_and_ends_with_the_same_weights(tmp_path):
     assert [e["loss"] for e in log_a] == [e["loss"] for e in log_b]
 
     # A state from other settings is not resumed.
-    again = run(tmp_path, inputs, "resumed", train={**train, "learning_rate": 1e-3})
+    again = train_tiny(tmp_path, inputs, "resumed", train={**train, "learning_rate": 1e-3})
     assert again["resumed_from_step"] == 0
 
 
@@ -355,7 +244,7 @@ def test_a_wider_mlp_is_trained_written_and_loaded_at_its_own_width(tmp_path):
 
     V = 96
     inputs = tiny_setup(tmp_path, samples=random_samples(3, 24, V, seed=4), V=V)
-    run(tmp_path, inputs, drafter={"intermediate_size": 96}, train={"batch_tokens": 48})
+    train_tiny(tmp_path, inputs, drafter={"intermediate_size": 96}, train={"batch_tokens": 48})
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["intermediate_size"] == 96  # the target's is 64
     tensors = load_file(str(tmp_path / "drafter" / "model.safetensors"))
@@ -367,13 +256,13 @@ def test_a_wider_mlp_is_trained_written_and_loaded_at_its_own_width(tmp_path):
 
     # The width is part of the run's identity: the default width does not resume the wider run's state.
     assert json.loads((tmp_path / "drafter.state" / "state.json").read_text())["step"] > 0
-    assert run(tmp_path, inputs, train={"batch_tokens": 48})["resumed_from_step"] == 0
+    assert train_tiny(tmp_path, inputs, train={"batch_tokens": 48})["resumed_from_step"] == 0
 
 
 def test_only_draft_vocab_argmax_positions_are_trained(tmp_path):
     V = 120
     inputs = tiny_setup(tmp_path, V=V, draft_ids=range(0, V, 2))  # half of the target vocab
-    summary = run(tmp_path, inputs)
+    summary = train_tiny(tmp_path, inputs)
     log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     # 2 samples x 24 tokens: step j could train 2 x (22 - j) positions; about half have an argmax outside.
     positions = log[0]["positions_per_step"]
@@ -409,32 +298,32 @@ def test_guards_refuse_before_training(tmp_path, case, message):
     drafter = {}
     samples = random_samples(2, 24, V)
     if case == "template":
-        inputs["hidden_paths"] = [write_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, template="b" * 64)]
+        inputs["hidden_paths"] = [write_training_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, template="b" * 64)]
     elif case == "fingerprint":
-        inputs["hidden_paths"] = [write_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, fingerprint="0" * 64)]
+        inputs["hidden_paths"] = [write_training_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, fingerprint="0" * 64)]
     elif case == "fc_width":
-        inputs["hidden_paths"] = [write_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, aux_width=H)]
+        inputs["hidden_paths"] = [write_training_cache(tmp_path / "h.safetensors", samples, H=H, layers=layers, aux_width=H)]
     elif case == "vocab_too_large":
-        inputs["vocab_path"] = write_vocab(tmp_path / "v.safetensors", range(V + 10), V + 10)
+        inputs["vocab_path"] = write_training_vocab(tmp_path / "v.safetensors", range(V + 10), V + 10)
     elif case == "vocab_disagree":
         _tamper_vocab_disagree(tmp_path, inputs)
     elif case == "shards_disagree":
-        other = write_cache(tmp_path / "h2.safetensors", samples, H=H, layers=layers, aux_ids=[2, 3, 4])
+        other = write_training_cache(tmp_path / "h2.safetensors", samples, H=H, layers=layers, aux_ids=[2, 3, 4])
         inputs["hidden_paths"] = inputs["hidden_paths"] + [other]
     elif case == "aux_out_of_range":
         drafter = {"aux_layer_ids": [1, 3, 9]}
     elif case == "aux_not_the_cache":
         drafter = {"aux_layer_ids": [2, 3, 4]}
     with pytest.raises(EyrieError, match=message):
-        run(tmp_path, inputs, drafter=drafter)
+        train_tiny(tmp_path, inputs, drafter=drafter)
     assert not (tmp_path / "drafter").exists() and not (tmp_path / "drafter.state").exists()
 
 
 def test_guard_errors_are_training_input_errors(tmp_path):
     inputs = tiny_setup(tmp_path)
-    inputs["vocab_path"] = write_vocab(tmp_path / "v.safetensors", range(130), 130)
+    inputs["vocab_path"] = write_training_vocab(tmp_path / "v.safetensors", range(130), 130)
     with pytest.raises(TrainingInputError):
-        run(tmp_path, inputs)
+        train_tiny(tmp_path, inputs)
 
 
 # --------------------------------------------------------------------------- the real target and its checkpoint
@@ -446,9 +335,9 @@ def test_checkpoint_for_the_real_target_is_sglangs_layout(tmp_path, model_dir):
     g = torch.Generator().manual_seed(0)
     draft_ids = torch.randperm(V, generator=g)[:512].sort().values
     samples = [(draft_ids[torch.randint(0, 512, (20,), generator=g)].tolist(), [0, 0] + [1] * 18) for _ in range(2)]
-    cache = write_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers)
-    vocab = write_vocab(tmp_path / "vocab.safetensors", draft_ids.tolist(), V)
-    summary = run(
+    cache = write_training_cache(tmp_path / "hidden.safetensors", samples, H=H, layers=layers)
+    vocab = write_training_vocab(tmp_path / "vocab.safetensors", draft_ids.tolist(), V)
+    summary = train_tiny(
         tmp_path,
         {"target_dir": str(model_dir), "hidden_paths": [cache], "vocab_path": vocab},
         drafter={"ttt_steps": 2},
@@ -505,7 +394,7 @@ def test_checkpoint_for_the_real_target_is_sglangs_layout(tmp_path, model_dir):
 
 
 def test_load_target_head_reads_untied_heads(tmp_path):
-    target = make_target(tmp_path / "t", tied=False)
+    target = tiny_target_dir(tmp_path / "t", tied=False)
     head = load_target_head(target)
     with safe_open(str(target / "model.safetensors"), framework="pt") as f:
         assert torch.equal(head["lm_head"], f.get_tensor("lm_head.weight"))
@@ -566,7 +455,7 @@ def test_flex_ttt_attention_matches_eager_outputs_and_gradients(monkeypatch, pad
     real = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).unsqueeze(-1)  # (B, L, 1)
     results = {}
     for attention in ("eager", "flex"):
-        model = tiny_model(Vd=40).train()
+        model = training_drafter(Vd=40).train()
         aux_in = aux.clone().requires_grad_()
         outs = ttt_hidden(model, aux_in, ids, lengths, 4, attention=attention)
         assert all(o.shape == (2, 13, 32) for o in outs)
@@ -615,7 +504,7 @@ def test_compiled_flex_matches_eager_on_cuda():
     real = (torch.arange(13)[None, :] < lengths[:, None]).unsqueeze(-1).cuda()
     results = {}
     for attention in ("eager", "flex"):
-        model = tiny_model(H=64, Vd=40).train().cuda()
+        model = training_drafter(H=64, Vd=40).train().cuda()
         aux_in = aux.cuda().requires_grad_()
         outs = [o * real for o in ttt_hidden(model, aux_in, ids.cuda(), lengths.cuda(), 4, attention=attention)]
         sum(o.square().sum() for o in outs).backward()
@@ -631,7 +520,7 @@ def test_flex_selected_positions_equal_eager():
     from eyrie.training.objective import ttt_hidden
 
     aux, ids, lengths = _attention_inputs()
-    model = tiny_model(Vd=40)
+    model = training_drafter(Vd=40)
     real = torch.arange(13)[None, :] < lengths[:, None]  # training selects real positions only
     select = [(torch.rand(2, 13, generator=torch.Generator().manual_seed(j)) > 0.5) & real for j in range(3)]
     with torch.no_grad():
@@ -699,12 +588,12 @@ def test_objective_with_chunked_loss_equals_the_reference_loss():
     targets = [step_targets(j, row, arg, mask, lengths) for j in range(3)]
     counts = torch.stack([t[0].sum() for t in targets]).double()
 
-    model = tiny_model(Vd=40).train()
+    model = training_drafter(Vd=40).train()
     ref_loss, ref_stats = ttt_loss(ttt_forward(model, aux, ids, lengths, 3, select=[t[0] for t in targets]), targets, probs, 0.8)
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    model = tiny_model(Vd=40).train()
+    model = training_drafter(Vd=40).train()
     loss, stats = TTTObjective(model, 3, 0.8, attention="flex", chunked_loss=True)(aux, ids, lengths, targets, probs, counts)
     loss.backward()
     assert torch.allclose(loss, ref_loss, atol=1e-5)
@@ -746,13 +635,6 @@ def run_two_ranks(tmp_path, inputs, name, train):
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def without_seconds(evaluations):
-    """Eval records less their wall time, the one figure that differs between runs."""
-    if isinstance(evaluations, dict):
-        return {k: v for k, v in evaluations.items() if k != "seconds"}
-    return None if evaluations is None else [without_seconds(e) for e in evaluations]
-
-
 @pytest.mark.parametrize("compile", [False, True])
 def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
     """torchrun, 2 gloo ranks, same global batches: the loss curve and final weights of one (eager) rank;
@@ -762,7 +644,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(tmp_path, compile):
     samples = random_samples(6, [32, 30, 29, 40, 44, 90], V, seed=7)
     inputs = tiny_setup(tmp_path, samples=samples, V=V)
     train = {"epochs": 2, "batch_tokens": 96, "learning_rate": 3e-3, "warmup_ratio": 0.2, "attention": "eager"}
-    one = run(tmp_path, inputs, "one", train=train)
+    one = train_tiny(tmp_path, inputs, "one", train=train)
     run_two_ranks(tmp_path, inputs, "two", {**train, "compile": compile})
 
     log_one = json.loads((tmp_path / "one" / "training_log.json").read_text())
@@ -798,7 +680,7 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
     aux, ids, lengths = _attention_inputs()
     real = torch.arange(13)[None, :] < lengths[:, None]
     select = [m & real for m in masks]
-    model = tiny_model(Vd=40)
+    model = training_drafter(Vd=40)
     with torch.no_grad():
         for attention in ("eager", "flex"):
             by_mask = ttt_hidden(model, aux, ids, lengths, 3, select=select, attention=attention)
@@ -808,28 +690,6 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
 
 
 # --------------------------------------------------------------------------- train.compile (eyrie.training.compiled_layers)
-
-
-def _train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=False, B=2, L=13, seed=5, **norms):
-    """One train_step on a tiny drafter (norms: tiny_model's): (result, gradients, the objective's CompiledLayers)."""
-    from eyrie.training.objective import TTTObjective, train_step
-    from eyrie.training.optimizer import make_optimizer
-
-    model = tiny_model(Vd=40, **norms).train()
-    g = torch.Generator().manual_seed(seed)
-    H, V = 32, 120
-    lengths = torch.tensor([L] + [max(3, L - 4)] * (B - 1))  # padded rows too
-    batch = {
-        "aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g),
-        "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2,
-        "lengths": lengths, "tokens": int(lengths.sum()),
-    }
-    objective = TTTObjective(model, 3, 0.8, attention=attention, recompute_mlp=recompute_mlp, compile=compile)
-    optimizer = make_optimizer(model, 1e-2, 0.0)
-    result = train_step(objective, optimizer, batch, target_lm_head=torch.randn(V, H, generator=g), draft_ids=torch.arange(40) + model.d2t,
-                        t2d=model.t2d, max_grad_norm=1e6, use_bf16=use_bf16)  # no clipping: the raw gradients are compared
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return result, grads, objective.compiled
 
 
 def _compiled_graphs() -> dict[str, int]:
@@ -851,8 +711,8 @@ def test_compiled_train_step_equals_eager_in_float32(monkeypatch, attention, rec
     import eyrie.training.ttt_attention as ttt_attention
 
     monkeypatch.setattr(ttt_attention, "padded_length", lambda length, device: 16 * -(-length // 16))
-    eager, eager_grads, none = _train_step_once(False, attention, recompute_mlp)
-    result, grads, compiled = _train_step_once(True, attention, recompute_mlp)
+    eager, eager_grads, none = train_step_once(False, attention, recompute_mlp)
+    result, grads, compiled = train_step_once(True, attention, recompute_mlp)
     assert none is None and compiled.error is None, compiled.error  # ran compiled: no fallback
     assert all(n >= 1 for n in _compiled_graphs().values()), _compiled_graphs()
     assert abs(result["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"]), (result["loss"], eager["loss"])
@@ -866,8 +726,8 @@ def test_compiled_train_step_equals_eager_in_float32(monkeypatch, attention, rec
 
 def test_compiled_train_step_under_bf16_autocast():
     """bf16 autocast (as on CUDA), flex attention and MLP recompute: compiled matches eager within bf16 rounding."""
-    eager, eager_grads, _ = _train_step_once(False, "flex", True, use_bf16=True)
-    result, grads, compiled = _train_step_once(True, "flex", True, use_bf16=True)
+    eager, eager_grads, _ = train_step_once(False, "flex", True, use_bf16=True)
+    result, grads, compiled = train_step_once(True, "flex", True, use_bf16=True)
     assert compiled.error is None, compiled.error
     assert abs(result["loss"] - eager["loss"]) <= 1e-3 * abs(eager["loss"])
     for name, grad in eager_grads.items():  # inductor rounds to bf16 once per fused kernel, eager once per op
@@ -876,10 +736,10 @@ def test_compiled_train_step_under_bf16_autocast():
 
 def test_compiled_layers_do_not_recompile_for_new_batch_shapes():
     """dynamic=True: new row counts and lengths reuse the graphs (a one-row batch specialises once)."""
-    _train_step_once(True, "eager", False, B=2, L=13)
+    train_step_once(True, "eager", False, B=2, L=13)
     before = _compiled_graphs()
     for B, L in ((3, 20), (2, 7), (4, 11)):
-        assert _train_step_once(True, "eager", False, B=B, L=L)[2].error is None
+        assert train_step_once(True, "eager", False, B=B, L=L)[2].error is None
     assert _compiled_graphs() == before
 
 
@@ -903,9 +763,9 @@ def test_compile_failure_mid_step_falls_back_to_eager_and_recomputes_along_the_s
         return run
 
     monkeypatch.setattr(compiled_layers, "_compiled", failing)
-    eager, eager_grads, _ = _train_step_once(False, "flex", True)
+    eager, eager_grads, _ = train_step_once(False, "flex", True)
     with pytest.warns(RuntimeWarning, match="train.compile: torch.compile failed, training goes on eagerly.*simulated inductor failure"):
-        result, grads, compiled = _train_step_once(True, "flex", True)
+        result, grads, compiled = train_step_once(True, "flex", True)
     assert compiled.error.startswith("mlp_input: RuntimeError: simulated inductor failure") and not compiled.active
     assert calls["mlp_input"] == 3  # step 0's forward, step 1's failed attempt, step 0's recompute
     assert abs(result["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"])
@@ -916,8 +776,8 @@ def test_compile_failure_mid_step_falls_back_to_eager_and_recomputes_along_the_s
 def test_a_training_job_with_the_fused_loss_follows_the_eager_run_and_says_so(tmp_path):
     """train.fused_loss true on the CPU: the same loss curve as eager, and config.json records that it ran fused."""
     inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
-    eager = run(tmp_path, inputs, "eager", train={"fused_loss": False, "epochs": 2, "batch_tokens": 48})
-    fused = run(tmp_path, inputs, "fused", train={"fused_loss": True, "epochs": 2, "batch_tokens": 48})
+    eager = train_tiny(tmp_path, inputs, "eager", train={"fused_loss": False, "epochs": 2, "batch_tokens": 48})
+    fused = train_tiny(tmp_path, inputs, "fused", train={"fused_loss": True, "epochs": 2, "batch_tokens": 48})
     assert "fused_loss" not in eager and fused["fused_loss"] == {"fused": True, "fallback": None}
     eager_log = json.loads((tmp_path / "eager" / "training_log.json").read_text())
     fused_log = json.loads((tmp_path / "fused" / "training_log.json").read_text())
@@ -941,9 +801,9 @@ def test_training_without_a_cxx_compiler_falls_back_to_eager_and_logs_it(tmp_pat
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     try:
         inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
-        run(tmp_path, inputs, "eager")
+        train_tiny(tmp_path, inputs, "eager")
         with pytest.warns(RuntimeWarning, match="train.compile: torch.compile failed.*C\\+\\+ compiler"):
-            summary = run(tmp_path, inputs, "compiled", train={"compile": True})
+            summary = train_tiny(tmp_path, inputs, "compiled", train={"compile": True})
     finally:
         torch._dynamo.reset()
     assert summary["compile"]["compiled"] is False and summary["compile"]["fallback"]["step"] == 1
@@ -980,8 +840,8 @@ def test_read_inputs_holds_out_by_id_across_shards(tmp_path):
 
     V, H, layers = 120, 32, 8
     inputs = tiny_setup(tmp_path, V=V)
-    shard_a = write_cache(tmp_path / "a.safetensors", random_samples(30, 12, V, seed=1), H=H, layers=layers, sample_ids=[f"a{k}" for k in range(30)])
-    shard_b = write_cache(tmp_path / "b.safetensors", random_samples(30, 12, V, seed=2), H=H, layers=layers, sample_ids=[f"b{k}" for k in range(30)])
+    shard_a = write_training_cache(tmp_path / "a.safetensors", random_samples(30, 12, V, seed=1), H=H, layers=layers, sample_ids=[f"a{k}" for k in range(30)])
+    shard_b = write_training_cache(tmp_path / "b.safetensors", random_samples(30, 12, V, seed=2), H=H, layers=layers, sample_ids=[f"b{k}" for k in range(30)])
 
     def held_out_ids(paths, fraction=0.2):
         read = read_inputs(hidden_paths=paths, vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"], drafter_cfg={"ttt_steps": 3},
@@ -1021,7 +881,7 @@ def test_eval_counts_use_the_training_masking():
     the leading run of hits at each position, recounted here by hand."""
     from eyrie.training.acceptance import CHAIN_HITS, CHAIN_REACH, COUNT, HITS, batch_counts
 
-    model = tiny_model(Vd=60)
+    model = training_drafter(Vd=60)
     g = torch.Generator().manual_seed(11)
     B, L, H, V, steps = 2, 14, 32, 120, 3
     lengths = torch.tensor([14, 9])
@@ -1062,11 +922,11 @@ def _cyclic_setup(tmp_path, n_samples=24, length=20, V=64, H=32, layers=8, perio
         tokens = [int(cycle[(start + t) % period]) for t in range(length)]
         samples.append((tokens, [0, 0] + [1] * (length - 2)))
     ids = torch.tensor([t for tokens, _ in samples for t in tokens])
-    target = make_target(tmp_path / "target", H=H, V=V, layers=layers)
+    target = tiny_target_dir(tmp_path / "target", hidden=H, vocab=V, layers=layers)
     (tmp_path / cache).parent.mkdir(parents=True, exist_ok=True)
-    cache = write_cache(tmp_path / cache, samples, H=H, layers=layers, sample_ids=[f"walk{k}" for k in range(n_samples)],
+    cache = write_training_cache(tmp_path / cache, samples, H=H, layers=layers, sample_ids=[f"walk{k}" for k in range(n_samples)],
                         states=(aux_table[ids], final_table[ids]))
-    vocab = write_vocab(tmp_path / "vocab.safetensors", range(V), V)
+    vocab = write_training_vocab(tmp_path / "vocab.safetensors", range(V), V)
     return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
 
 
@@ -1077,7 +937,7 @@ def test_held_out_samples_of_several_datasets_are_also_simulated_per_dataset(tmp
 
     inputs = _cyclic_setup(tmp_path, cache="hidden/cyclic/0000.safetensors")  # learnable: states are a function of the token
     (tmp_path / "hidden" / "noise").mkdir()
-    noise = write_cache(tmp_path / "hidden" / "noise" / "0000.safetensors", random_samples(24, 20, 64, seed=5), H=32, layers=8,
+    noise = write_training_cache(tmp_path / "hidden" / "noise" / "0000.safetensors", random_samples(24, 20, 64, seed=5), H=32, layers=8,
                         sample_ids=[f"noise{k}" for k in range(24)], seed=5)  # random states: the target's next token is noise
     inputs["hidden_paths"] = [noise, *inputs["hidden_paths"]]
     read = read_inputs(hidden_paths=inputs["hidden_paths"], vocab_path=inputs["vocab_path"], target_dir=inputs["target_dir"],
@@ -1090,7 +950,7 @@ def test_held_out_samples_of_several_datasets_are_also_simulated_per_dataset(tmp
                       batch_tokens=100, template_sha256=TEMPLATE, target_fingerprint=FINGERPRINT, eval_fraction=0.2)
     assert one.held_out and one.eval_datasets == []  # one dataset: the whole is the dataset
 
-    run(tmp_path, inputs, train={"epochs": 10, "learning_rate": 1e-2, "batch_tokens": 100, "eval_fraction": 0.2, "log_every": 5})
+    train_tiny(tmp_path, inputs, train={"epochs": 10, "learning_rate": 1e-2, "batch_tokens": 100, "eval_fraction": 0.2, "log_every": 5})
     log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     last = [e for entry in log for e in entry.get("eval", [])][-1]
     cyclic, noisy = last["by_dataset"]["cyclic"], last["by_dataset"]["noise"]
@@ -1114,7 +974,7 @@ def test_a_drafter_that_learned_the_rule_simulates_nearly_k_plus_1_on_held_out_s
     from eyrie.drafter.checkpoint import read_simulated_acceptance, simulated_length
 
     inputs = _cyclic_setup(tmp_path)
-    summary = run(tmp_path, inputs, train={"epochs": 15, "learning_rate": 1e-2, "batch_tokens": 100, "eval_fraction": 0.2, "log_every": 5})
+    summary = train_tiny(tmp_path, inputs, train={"epochs": 15, "learning_rate": 1e-2, "batch_tokens": 100, "eval_fraction": 0.2, "log_every": 5})
     log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     evaluations = [e for entry in log for e in entry.get("eval", [])]
     assert [e["epoch"] for e in evaluations] == list(range(1, 16))
@@ -1140,7 +1000,7 @@ def test_simulated_acceptance_round_trips_through_config_json_and_old_drafters_r
     from eyrie.drafter.checkpoint import read_simulated_acceptance, simulated_length
 
     inputs = tiny_setup(tmp_path)  # 2 samples: no held-out set, training batches instead, said so
-    summary = run(tmp_path, inputs)
+    summary = train_tiny(tmp_path, inputs)
     config_path = tmp_path / "drafter" / "config.json"
     config = json.loads(config_path.read_text())
     written = config["eyrie"]["simulated_acceptance"]
@@ -1191,13 +1051,13 @@ def test_the_simulation_leaves_training_unchanged(tmp_path, monkeypatch):
     V = 120
     inputs = tiny_setup(tmp_path, samples=random_samples(24, [10 + k for k in range(24)], V, seed=4), V=V)
     train = {"epochs": 2, "batch_tokens": 80, "learning_rate": 3e-3, "keep_best": False}  # the last epoch's weights, whatever it simulates
-    run(tmp_path, inputs, "simulated", train={**train, "eval_fraction": 0})
+    train_tiny(tmp_path, inputs, "simulated", train={**train, "eval_fraction": 0})
     monkeypatch.setattr(train_module, "simulate_acceptance",
                         lambda *a, steps, **kw: acceptance_summary([[0] * steps] * 4, source="training samples", samples=0))
-    run(tmp_path, inputs, "stubbed", train={**train, "eval_fraction": 0})
+    train_tiny(tmp_path, inputs, "stubbed", train={**train, "eval_fraction": 0})
     assert (tmp_path / "simulated" / "model.safetensors").read_bytes() == (tmp_path / "stubbed" / "model.safetensors").read_bytes()
     monkeypatch.undo()
-    held = run(tmp_path, inputs, "held", train=train)  # the default 0.05 of 24 samples holds some out: other batches, other weights
+    held = train_tiny(tmp_path, inputs, "held", train=train)  # the default 0.05 of 24 samples holds some out: other batches, other weights
     assert held["samples"] < 24 and held["simulated_acceptance"]["source"] == "held-out cache samples"
 
     d2t = torch.zeros(4, dtype=torch.int64)
@@ -1210,7 +1070,7 @@ def test_two_ranks_simulate_the_same_acceptance_on_held_out_samples(tmp_path):
     V = 96
     inputs = tiny_setup(tmp_path, samples=random_samples(24, [12 + (k * 5) % 20 for k in range(24)], V, seed=8), V=V)
     train = {"epochs": 1, "batch_tokens": 64, "learning_rate": 3e-3, "attention": "eager", "eval_fraction": 0.25}
-    one = run(tmp_path, inputs, "one", train=train)
+    one = train_tiny(tmp_path, inputs, "one", train=train)
     run_two_ranks(tmp_path, inputs, "two", train)
     evaluation = one["simulated_acceptance"]
     assert evaluation["source"] == "held-out cache samples" and evaluation["eval_samples"] >= 3
@@ -1227,11 +1087,11 @@ def test_a_forced_rerun_after_a_finished_run_writes_the_same_bytes(tmp_path):
     inputs = tiny_setup(tmp_path, samples=random_samples(6, [20, 14, 30, 9, 25, 18], V, seed=7), V=V)
     # A rate this high peaks in epoch 1 and degrades: the kept weights are not the last step's.
     train = {"epochs": 5, "batch_tokens": 40, "learning_rate": 0.3, "lr_schedule": "constant", "warmup_ratio": 0.2, "eval_fraction": 0.3}
-    first = run(tmp_path, inputs, "drafter", train=train)
+    first = train_tiny(tmp_path, inputs, "drafter", train=train)
     assert first["kept"]["epoch"] < 5
     written = {p.name: p.read_bytes() for p in (tmp_path / "drafter").iterdir()}
     shutil.rmtree(tmp_path / "drafter")
-    again = run(tmp_path, inputs, "drafter", train=train)
+    again = train_tiny(tmp_path, inputs, "drafter", train=train)
     assert again["resumed_from_step"] == first["steps"]
     rewritten = {p.name: p.read_bytes() for p in (tmp_path / "drafter").iterdir()}
     assert rewritten.keys() == written.keys()

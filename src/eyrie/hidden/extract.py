@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +40,7 @@ from eyrie.hidden.cache import (
 )
 from eyrie.hidden.size import ensure_room, shard_bytes
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
-from eyrie.target.model import load_model
+from eyrie.target.model import check_model_dir, load_model, resolve_device, resolve_dtype
 from eyrie.target.states import TargetStates, text_config
 
 
@@ -134,6 +136,22 @@ def _to_host(tensors: dict, device):
     return host, ready
 
 
+@dataclass(frozen=True)
+class _Shard:
+    """A token shard as extraction reads it: samples packed end to end, and the batches of those with tokens."""
+
+    sample_ids: list
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    batches: list[list[int]]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
 def extract_shard(
     *,
     tokens_path: str,
@@ -154,95 +172,131 @@ def extract_shard(
     writes False: a tensor-parallel rank other than 0, which runs the same forwards (its share of each
     matrix product, joined by all-reduces) and keeps nothing.
     """
-    import torch
-    from tqdm import tqdm
+    shard = _read_shard(tokens_path, template_sha256, batch_tokens)
+    compute_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    manifest = _shard_manifest(shard, text_config(model), aux_layer_ids, model_fingerprint, template_sha256, dtype, compute_dtype)
+    if not writes:
+        _run_forwards(model, shard, manifest)
+        return manifest
+    _write_cache(out_path, tokens_path, shard, manifest, model, progress)
+    return manifest
 
+
+def _read_shard(tokens_path: str, template_sha256: str, batch_tokens: int) -> _Shard:
+    """The token shard, refused when another chat template made it, and its batches."""
     tokenized_with = shard_template(tokens_path)
     if tokenized_with != template_sha256:
         raise ContractError(
             f"{tokens_path}: tokenized with chat template {tokenized_with!r}, but the target's template is "
             f"{template_sha256!r}; re-tokenize with this target or point model.path at the one used"
         )
-    config = text_config(model)
-    num_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-    capture = capture_indices(aux_layer_ids, num_layers)
-    out_dtype = storage_dtype(dtype)
-
     sample_ids, input_ids, loss_mask, offsets = read_tokens(tokens_path, HiddenCacheError)
     lengths = np.diff(offsets)
-    total = int(offsets[-1])
-    device = next(model.parameters()).device
-    batches = plan_token_batches(lengths, batch_tokens)
-    dtype_name = str(out_dtype).removeprefix("torch.")
+    return _Shard(sample_ids, input_ids, loss_mask, offsets, lengths, plan_token_batches(lengths, batch_tokens))
 
+
+def _shard_manifest(shard: _Shard, config, aux_layer_ids, model_fingerprint: str, template_sha256: str, dtype: str, compute_dtype: str) -> dict:
+    """What the cache file says of itself (eyrie.hidden.cache): the target's shape, what made the states and the samples held."""
+    num_layers = int(config.num_hidden_layers)
+    dtype_name = str(storage_dtype(dtype)).removeprefix("torch.")
     manifest = {
         "format": FORMAT,
         "aux_layer_ids": [int(i) for i in aux_layer_ids],
-        "capture_indices": capture,
+        "capture_indices": capture_indices(aux_layer_ids, num_layers),
         "num_hidden_layers": num_layers,
-        "hidden_size": hidden,
+        "hidden_size": int(config.hidden_size),
         "target_model_fingerprint": model_fingerprint,
         "template_sha256": template_sha256,
         "dtype": dtype_name,
-        "compute_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "samples": len(sample_ids),
-        "tokens": total,
-        "assistant_tokens": int(loss_mask.sum(dtype=np.int64)),
-        "ids": sample_ids,
+        "compute_dtype": compute_dtype,
+        "samples": len(shard.sample_ids),
+        "tokens": shard.tokens,
+        "assistant_tokens": int(shard.loss_mask.sum(dtype=np.int64)),
+        "ids": shard.sample_ids,
     }
     if is_fp8(dtype_name):
         manifest["scales"] = FP8_SCALES_NOTE
-    ids_t = torch.from_numpy(input_ids)
-    if not writes:
-        with torch.inference_mode(), TargetStates(model, capture, HiddenCacheError) as target:
-            for batch in batches:
-                x, keep, _ = _batch_inputs(batch, lengths, offsets, ids_t)
-                target.states(_to_device(x, device), _to_device(keep, device))
-        return manifest
+    return manifest
+
+
+def _run_forwards(model, shard: _Shard, manifest: dict, on_batch=None) -> None:
+    """Every batch through the target; on_batch(batch, aux, final, placements) receives each batch's real tokens' states."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids_t = torch.from_numpy(shard.input_ids)
+    with torch.inference_mode(), TargetStates(model, manifest["capture_indices"], HiddenCacheError) as target:
+        for batch in shard.batches:
+            x, keep, placements = _batch_inputs(batch, shard.lengths, shard.offsets, ids_t)
+            # Only the real tokens leave the device (eyrie.target.states: right padding, no attention mask).
+            aux, final = target.states(_to_device(x, device), _to_device(keep, device))  # (n, 3H), (n, H)
+            if on_batch is not None:
+                on_batch(batch, aux, final, placements)
+            del aux, final
+
+
+def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict, model, progress: bool) -> None:
+    """The cache file, written whole or not at all: a killed run's leftovers cleared, room checked, states written as they come."""
+    from tqdm import tqdm
+
+    remove_stale_temporaries(out_path)  # before the room check: a killed run's file counts against the free space
+    dtype_name = manifest["dtype"]
     # Refuse before the first forward: a full disk would otherwise fail the job hours in, at the last batch.
-    ensure_room(out_path, shard_bytes(hidden, dtype_name, len(sample_ids), total, manifest), dtype_name)
-    bar = tqdm(
-        total=len(sample_ids),
-        unit="sample",
-        desc=f"hidden {Path(tokens_path).name}",
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-
-    def write(temporary: Path) -> None:
-        writer = SafetensorsWriter(temporary, storage_specs(dtype_name, len(sample_ids), total, hidden), manifest)
-        rows = _BackgroundRows(writer)
-        failed = True
-        try:
-            writer.write_rows("offsets", 0, torch.from_numpy(offsets))
-            writer.write_rows("input_ids", 0, ids_t)
-            writer.write_rows("loss_mask", 0, torch.from_numpy(loss_mask))
-            start, done_tokens = time.perf_counter(), 0
-            with torch.inference_mode(), TargetStates(model, capture, HiddenCacheError) as target:
-                for batch in batches:
-                    x, keep, placements = _batch_inputs(batch, lengths, offsets, ids_t)
-                    # Only the real tokens leave the device (eyrie.target.states: right padding, no attention mask).
-                    aux, final = target.states(_to_device(x, device), _to_device(keep, device))  # (n, 3H), (n, H)
-                    host, ready = _to_host(encode_rows(aux, final, out_dtype), device)
-                    del aux, final
-                    rows.put(ready, host, placements)
-                    done_tokens += int(lengths[batch].sum())
-                    bar.update(len(batch))
-                    bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
-            failed = False
-        finally:
-            rows.close(check=not failed)
-            writer.close()
-        bar.update(len(sample_ids) - bar.n)  # empty samples need no forward
-        if temporary.stat().st_size != manifest["file_bytes"]:
-            raise HiddenCacheError(f"{temporary}: wrote {temporary.stat().st_size} bytes, expected {manifest['file_bytes']}")
-
+    ensure_room(out_path, shard_bytes(manifest["hidden_size"], dtype_name, manifest["samples"], manifest["tokens"], manifest), dtype_name)
+    bar = tqdm(total=manifest["samples"], unit="sample", desc=f"hidden {Path(tokens_path).name}", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     try:
-        write_atomically(out_path, write)
+        write_atomically(out_path, lambda temporary: _write_file(temporary, shard, manifest, model, bar))
     finally:
         bar.close()
-    return manifest
+
+
+def _write_file(temporary: Path, shard: _Shard, manifest: dict, model, bar) -> None:
+    """The packed samples, then each batch's states on the writer thread; the size is checked against the manifest's."""
+    import torch
+
+    out_dtype = storage_dtype(manifest["dtype"])
+    writer = SafetensorsWriter(temporary, storage_specs(manifest["dtype"], manifest["samples"], manifest["tokens"], manifest["hidden_size"]), manifest)
+    rows = _BackgroundRows(writer)
+    failed = True
+    try:
+        writer.write_rows("offsets", 0, torch.from_numpy(shard.offsets))
+        writer.write_rows("input_ids", 0, torch.from_numpy(shard.input_ids))
+        writer.write_rows("loss_mask", 0, torch.from_numpy(shard.loss_mask))
+        if shard.batches:  # a shard without tokens needs no forward, and no target
+            start, done_tokens = time.perf_counter(), 0
+            device = next(model.parameters()).device
+
+            def keep(batch, aux, final, placements):
+                nonlocal done_tokens
+                host, ready = _to_host(encode_rows(aux, final, out_dtype), device)
+                rows.put(ready, host, placements)
+                done_tokens += int(shard.lengths[batch].sum())
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+
+            _run_forwards(model, shard, manifest, keep)
+        failed = False
+    finally:
+        rows.close(check=not failed)
+        writer.close()
+    bar.update(manifest["samples"] - bar.n)  # empty samples need no forward
+    if temporary.stat().st_size != manifest["file_bytes"]:
+        raise HiddenCacheError(f"{temporary}: wrote {temporary.stat().st_size} bytes, expected {manifest['file_bytes']}")
+
+
+def remove_stale_temporaries(out_path: str | Path) -> list[Path]:
+    """Remove what a killed run of this job left beside its output: the temporaries eyrie.core.atomic names
+    `.<output name>.<8 hex digits>.tmp`, and only those of this output. Returns the paths removed."""
+    out_path = Path(out_path)
+    if not out_path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out_path.name)}\.[0-9a-f]{{8}}\.tmp")
+    removed = []
+    for path in out_path.parent.iterdir():
+        if pattern.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def extract_target_shard(
@@ -253,11 +307,15 @@ def extract_target_shard(
     tensor_parallel > 1: this process is one of that many torchrun ranks and loads its part of the target;
     only rank 0 writes the file and returns the manifest, the others return None.
     model_cfg: model.dtype, model.device, model.trust_remote_code; aux_layer_ids None: the target's default.
+    A shard without tokens (no samples, or only empty ones) is written from the target's config, the target unloaded.
     """
     import torch
 
     if threads:
         torch.set_num_threads(threads)
+    tokens = _read_shard(shard["tokens_path"], shard["template_sha256"], shard["batch_tokens"])  # refused here, before a long load
+    if not tokens.batches:
+        return _extract_without_target(tokens, model_dir, model_cfg, aux_layer_ids, tensor_parallel, progress, **shard)
     model = load_model(model_dir, **model_cfg, tensor_parallel=tensor_parallel)
     rank = torch.distributed.get_rank() if tensor_parallel > 1 else 0
     try:
@@ -267,6 +325,25 @@ def extract_target_shard(
         if tensor_parallel > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()  # transformers joined the group while loading
     return manifest if rank == 0 else None
+
+
+def _extract_without_target(shard: _Shard, model_dir, model_cfg: dict, aux_layer_ids, tensor_parallel: int, progress: bool, *, tokens_path: str,
+                            out_path: str, model_fingerprint: str, template_sha256: str, batch_tokens: int, dtype: str = "bfloat16") -> dict | None:
+    """extract_shard's file for a shard without tokens, from the target's config alone: the compute dtype is the one
+    load_model would give it. Under torchrun only rank 0 (RANK) writes."""
+    import os
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(check_model_dir(model_dir), trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    aux_layer_ids = aux_layer_ids or default_aux_layer_ids(config.num_hidden_layers)
+    compute_dtype = str(resolve_dtype(model_cfg.get("dtype", "auto"), resolve_device(model_cfg.get("device", "auto")))).removeprefix("torch.")
+    manifest = _shard_manifest(shard, config, aux_layer_ids, model_fingerprint, template_sha256, dtype, compute_dtype)
+    if tensor_parallel > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return None
+    _write_cache(out_path, tokens_path, shard, manifest, None, progress)
+    return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
