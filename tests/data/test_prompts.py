@@ -371,3 +371,85 @@ def test_invalid_arguments_are_rejected(tmp_path):
                       heldout_path=tmp_path / "h", summary_path=tmp_path / "s")
     with pytest.raises(ValueError, match="format"):
         build(tmp_path, [], fmt="alpaca")
+
+
+# ---------------------------------------------------------------- reasoning and tool-calling data
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def agentic_record(record_id="a", **changes):
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Call twice.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bergen"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "c2", "content": "sun"},
+        {"role": "assistant", "content": "Rain, then sun.", "thinking": "Both are in."},
+    ]
+    record = {"id": record_id, "messages": messages, "tools": TOOLS}
+    for path, value in changes.items():
+        index, key = path.split(".", 1) if "." in path else (None, path)
+        target = record if index is None else record["messages"][int(index)]
+        target[key] = value
+    return record
+
+
+@pytest.mark.parametrize("replies", ["target", "source"])
+def test_openai_agentic_records_keep_tools_calls_results_and_reasoning_and_the_summary_counts_each_kind(tmp_path, replies):
+    summary = build(tmp_path, [RawRecord("line 1", agentic_record())], n_shards=1, keep_replies=replies == "source")
+    (row,) = [r for rows in read_prompts(tmp_path, n_shards=1).values() for r in rows]
+    messages = row["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    assert messages[0]["content"] == "Be\nbrief."  # text parts joined; developer read as the system turn
+    calls = json.loads(messages[2]["tool_calls"])
+    assert [c["function"]["arguments"] for c in calls] == [{"city": "Oslo"}, {"city": "Bergen"}]  # JSON text and objects alike
+    assert messages[2]["content"] == "" and messages[2]["reasoning_content"] == "Call twice."
+    assert messages[3]["tool_call_id"] == "c1" and messages[5]["reasoning_content"] == "Both are in."  # the thinking alias
+    assert json.loads(row["tools"]) == TOOLS
+    assert summary["agentic"] == {"messages_with_reasoning": 2, "messages_with_tool_calls": 1, "tool_calls": 2,
+                                  "tool_results": 2, "records_with_tools": 1}
+
+
+def test_plain_chat_data_is_written_as_before_without_the_agentic_fields(tmp_path):
+    summary = build(tmp_path, [RawRecord("line 1", openai("p", ("user", "hi")))], n_shards=1)
+    schema = pq.read_schema(tmp_path / "out" / "shard_0000.parquet")
+    assert schema.remove_metadata().equals(PROMPT_SCHEMA) and "agentic" not in summary
+
+
+def test_sharegpt_function_call_and_observation_turns_are_tool_calls_and_results(tmp_path):
+    record = {"id": "g", "tools": json.dumps(TOOLS), "conversations": [
+        {"from": "human", "value": "Weather in Oslo?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})},
+        {"from": "observation", "value": "rain"},
+        {"from": "gpt", "value": "Rain."}]}
+    build(tmp_path, [RawRecord("line 1", record)], n_shards=1)
+    (row,) = read_prompts(tmp_path, n_shards=1)["shard_0000.parquet"]
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert json.loads(row["messages"][1]["tool_calls"])[0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert json.loads(row["tools"]) == TOOLS
+
+
+@pytest.mark.parametrize(("changes", "kind", "field"), [
+    ({"0.content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "unsupported_content_part", "messages[0].content[0]"),
+    ({"2.tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}, "bad_tool_call",
+     "messages[2].tool_calls[0].function.arguments"),
+    ({"2.tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}, "bad_tool_call", "messages[2].tool_calls[0].function.name"),
+    ({"3.tool_call_id": "c9"}, "unknown_tool_call_id", "messages[3].tool_call_id"),
+    ({"1.reasoning_content": "x"}, "bad_reasoning", "messages[1].reasoning_content"),
+    ({"tools": {"not": "a list"}}, "bad_tools", "tools"),
+])
+def test_bad_agentic_fields_are_named_by_file_record_and_field(tmp_path, changes, kind, field):
+    with pytest.raises(BadRecordError) as caught:
+        build(tmp_path, [RawRecord("line 7", agentic_record("bad", **changes))], n_shards=1, source_label="data/agentic.jsonl")
+    text = str(caught.value)
+    assert caught.value.kind == kind and "data/agentic.jsonl" in text and "line 7" in text and "bad" in text and field in text
+
+
+def test_a_tool_result_without_a_call_before_it_is_a_bad_record(tmp_path):
+    record = {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "rain"}]}
+    summary = build(tmp_path, [RawRecord("line 1", record), RawRecord("line 2", openai("ok", ("user", "hi")))], n_shards=1,
+                    on_bad_record="skip")
+    assert summary["bad_records"] == {"misplaced_tool_result": 1}
