@@ -153,6 +153,8 @@ def train_drafter(
         trainer.objective = data_parallel(trainer.objective, run.ranks.device)
     say(_plan_line(run, trainer))
     say(inputs.eval_note)
+    if inputs.truncated and run.ranks.rank == 0:  # a warning whether or not progress lines are printed
+        print(truncation_warning(inputs.truncated, int(train_cfg["batch_tokens"])), file=sys.stderr, flush=True)
 
     def save() -> None:
         save_state(state_path, run_id, record, trainer.model, trainer.optimizer, trainer.kept)
@@ -468,6 +470,12 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
     write_checkpoint(out_dir, config, tensors, record.log, parity_samples=parity)
     say(f"train: wrote {out_dir} ({run.total_steps} steps, {record.tokens} tokens, {summary['tokens_per_second']:.0f} tok/s)")
     return summary
+
+
+def truncation_warning(truncated: int, batch_tokens: int) -> str:
+    """The job log's line for samples training cuts: one step holds at most train.batch_tokens tokens of one sample."""
+    return (f"warning: train: {truncated} sample(s) longer than train.batch_tokens = {batch_tokens} are cut to {batch_tokens} tokens; "
+            "raise train.batch_tokens to at least the longest sample (tokenize.max_seq_len) to train them whole")
 
 
 def _printer(enabled: bool) -> Callable[[str], None]:
