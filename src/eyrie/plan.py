@@ -399,6 +399,10 @@ def format_cache(config: dict, workdir: str | Path = ".") -> str:
 
     shards = [(d, s) for d in sorted(config["datasets"]) for s in cfg.shard_names(config, d)]
     text = format_estimate(estimate_cache(config, workdir, shards, model_dir(config)))
+    from eyrie.tokens.shards import per_turn_cost  # per-turn samples grow the cache (eyrie.target.chat_template)
+
+    cost = per_turn_cost(Path(workdir) / f"results/tokens/{d}/{s}.parquet" for d, s in shards)
+    text = text if cost is None else f"{text}\n{cost}"
     return text if config["hidden"].get("mode") == "online" else f"{text}\n{format_extraction_jobs(config, len(shards))}"
 
 

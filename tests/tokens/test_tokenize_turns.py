@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 from factories import THINKING_TEMPLATE, TOOLS_TEMPLATE, byte_tokenizer
 
@@ -133,3 +134,18 @@ def test_the_token_shard_counts_per_turn_samples_and_warns_of_a_cut(tmp_path, te
     assert f"1 sample(s) cut at tokenize.max_seq_len = {cut}" in capsys.readouterr().err
     metadata = json.loads(pq.read_schema(tmp_path / "t.parquet").metadata[PARQUET_KEY])
     assert metadata["stats"]["turn_samples"] == stats["turn_samples"]
+
+
+def test_the_plan_line_shows_what_per_turn_samples_cost_the_cache(tmp_path):
+    from eyrie.tokens.shards import per_turn_cost
+
+    write_completions(tmp_path / "c.parquet", [{"id": "a", "messages": AGENTIC}])
+    for name, template in TEMPLATES.items():
+        tokenize_shard(completions_path=str(tmp_path / "c.parquet"), out_path=str(tmp_path / f"{name}.parquet"),
+                       tokenizer=byte_tokenizer(template), template_sha256="x", max_seq_len=10_000)
+    assert per_turn_cost([tmp_path / "tools.parquet", tmp_path / "missing.parquet"]) is None  # a stable template costs nothing
+    stats = json.loads(pa.parquet.read_schema(tmp_path / "thinking.parquet").metadata[PARQUET_KEY])["stats"]
+    assert stats["per_turn_tokens"] > stats["per_turn_tokens_as_one_sample"] > 0  # contexts repeated per turn
+    line = per_turn_cost([tmp_path / "thinking.parquet"])
+    assert "3 from 1 conversations" in line and f"{stats['per_turn_tokens']:,} tokens in the cache" in line
+    assert f"{stats['per_turn_tokens'] / stats['per_turn_tokens_as_one_sample']:.2f}x" in line

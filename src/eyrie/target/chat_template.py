@@ -170,6 +170,7 @@ class TokenizedRecord:
     per_turn: bool = False  # the template renders this history unstably: one sample per assistant turn
     unstable_turns: list[int] = field(default_factory=list)  # message indices of turns that could not be located
     reasoning_dropped: int = 0  # turns whose reasoning_content the template does not render (so it is not trained)
+    one_sample_tokens: int = 0  # per turn: the tokens the whole conversation renders to, what one shared sample would hold
 
 
 def _mask_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -211,7 +212,8 @@ def tokenize_record(tokenizer, messages: list[dict], max_len: int, tools=None) -
         text, spans = stable
         ids, mask = _mask_spans(tokenizer, text, spans)
         return TokenizedRecord([_cut(ids, mask, max_len)], reasoning_dropped=_reasoning_dropped(text, spans, messages))
-    record = TokenizedRecord([], per_turn=True)
+    whole = tokenizer(render(tokenizer, messages, False, tools), add_special_tokens=False)["input_ids"]
+    record = TokenizedRecord([], per_turn=True, one_sample_tokens=len(whole))
     end_tokens = _end_of_turn_tokens(tokenizer)
     for j, message in enumerate(messages):
         if message["role"] != "assistant":

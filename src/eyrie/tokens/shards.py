@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eyrie.core.artifacts import read_parquet, read_parquet_metadata
+from eyrie.core.errors import ArtifactError
 
 TOKENS_SCHEMA = pa.schema(
     [
@@ -66,3 +67,26 @@ def read_tokens(path: str | Path, error: type[Exception], with_ids: bool = True)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return TokenColumns(table.column("id").to_pylist() if with_ids else None, input_ids, loss_mask, offsets)
+
+
+def per_turn_cost(paths) -> str | None:
+    """What per-turn samples (eyrie.target.chat_template) cost the hidden-state cache in these token shards, as a line;
+    None where no shard has any (or none is tokenized yet)."""
+    records = samples = tokens = as_one = unstable = 0
+    for path in paths:
+        if not Path(path).exists():
+            continue
+        try:
+            stats = read_parquet_metadata(path, written_by=WRITTEN_BY).get("stats") or {}
+        except (ArtifactError, OSError):  # an unreadable shard is eyrie verify's to name; the plan only informs
+            continue
+        records += stats.get("per_turn_records", 0)
+        samples += stats.get("turn_samples", 0)
+        tokens += stats.get("per_turn_tokens", 0)
+        as_one += stats.get("per_turn_tokens_as_one_sample", 0)
+        unstable += stats.get("unstable_turns", 0)
+    if not records and not unstable:
+        return None
+    ratio = f", {tokens / as_one:.2f}x the {as_one:,} tokens they hold as one sample each" if as_one else ""
+    return (f"  per-turn samples: {samples:,} from {records:,} conversations whose template renders history unstably: "
+            f"{tokens:,} tokens in the cache{ratio}; {unstable:,} turns not locatable, not trained")

@@ -41,7 +41,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             f"but the tokenizer's template is {template_sha256[:12]}; regenerate or point model.path at the same target"
         )
     rows, dropped, truncated = [], {}, 0
-    per_turn_records = turn_samples = unstable_turns = reasoning_dropped = 0
+    per_turn_records = turn_samples = unstable_turns = reasoning_dropped = per_turn_tokens = one_sample_tokens = 0
     unstable_examples, cut_examples = [], []
     for record in completions.to_pylist():
         messages = answered_messages(record["messages"])
@@ -50,6 +50,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             continue
         tokenized = tokenize_record(tokenizer, messages, max_seq_len, parse_tools(record.get("tools")))
         per_turn_records += tokenized.per_turn
+        one_sample_tokens += tokenized.one_sample_tokens
         reasoning_dropped += tokenized.reasoning_dropped
         if tokenized.unstable_turns:
             unstable_turns += len(tokenized.unstable_turns)
@@ -66,6 +67,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             # A per-turn sample is named by its record and the message index of the turn it trains.
             sample_id = record["id"] if tokens.turn is None else f"{record['id']}#{tokens.turn}"
             turn_samples += tokens.turn is not None
+            per_turn_tokens += len(tokens.input_ids) if tokens.turn is not None else 0
             rows.append(
                 {
                     "id": sample_id,
@@ -93,6 +95,9 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
         "assistant_tokens": sum(r["n_assistant_tokens"] for r in rows),
         "per_turn_records": per_turn_records,
         "turn_samples": turn_samples,
+        # The cache's cost of per-turn samples: their tokens against what those conversations hold as one sample each.
+        "per_turn_tokens": per_turn_tokens,
+        "per_turn_tokens_as_one_sample": one_sample_tokens,
         "unstable_turns": unstable_turns,
         "unstable_examples": unstable_examples,
         "reasoning_not_rendered": reasoning_dropped,
