@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from eyrie.core.artifacts import read_parquet
-from eyrie.target.chat_template import PLAIN_MESSAGES_TYPE, is_plain, messages_type, parse_tools, stored_messages
+from eyrie.target.chat_template import PLAIN_MESSAGES_TYPE, is_plain, messages_type, parse_tools, stored_messages, template_messages
 
 MESSAGES_TYPE = PLAIN_MESSAGES_TYPE
 COMPLETIONS_SCHEMA = pa.schema(
@@ -124,6 +124,42 @@ class Conversation:
         if not any(m["role"] == "tool" for m in self.turn_input(turn + 1)):
             return None
         return None if same_tool_calls(tool_calls, self.replies[turn].get("tool_calls")) else TOOL_CALLS_DIFFER
+
+
+def reply_fields(message: dict) -> dict:
+    """What a chat completion's message holds beside its text, as a row's extra fields: the reasoning a server's
+    reasoning parser split off (`reasoning_content`, or vLLM's `reasoning`) and the calls its tool parser found
+    (arguments decoded from JSON where they are JSON). Empty where the server splits nothing: the raw text is the reply."""
+    fields = {}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        fields["reasoning_content"] = reasoning
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass  # kept as the text the target wrote: that is what it emitted
+        calls.append({**({"id": call["id"]} if call.get("id") else {}), "type": "function", "function": function})
+    if calls:
+        fields["tool_calls"] = calls
+    return fields
+
+
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """Messages as an OpenAI-compatible server reads them: tool-call arguments as JSON text, absent fields left out."""
+    out = []
+    for message in template_messages(messages):
+        if message.get("tool_calls"):
+            message["tool_calls"] = [
+                {**call, "function": {**call["function"], "arguments": call["function"]["arguments"] if isinstance(call["function"].get("arguments"), str)
+                                      else json.dumps(call["function"].get("arguments", {}), ensure_ascii=False)}}
+                for call in message["tool_calls"]
+            ]
+        out.append(message)
+    return out
 
 
 def reply_message(row: dict) -> dict:

@@ -34,7 +34,15 @@ import httpx2 as httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from eyrie.core.errors import ConfigError, EyrieError
-from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, Conversation, make_row, stable_seed
+from eyrie.generation.conversations import (
+    ERROR,
+    PROMPT_TOO_LONG,
+    Conversation,
+    make_row,
+    openai_messages,
+    reply_fields,
+    stable_seed,
+)
 
 RETRY_STATUS = {408, 429}  # and every 5xx
 FATAL_STATUS = {401, 403, 404, 405}  # the configuration is wrong, not the prompt: stop, write no row
@@ -178,10 +186,10 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ local tokenizer (optional)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         from eyrie.target.chat_template import render
 
-        text = render(self.tokenizer, messages, add_generation_prompt=True)
+        text = render(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ the shard
@@ -336,13 +344,13 @@ class _Run:
             messages = conversation.messages(upto_turn=turn)
             local_tokens = None
             if self.engine.tokenizer is not None:
-                local_tokens = len(self.engine.prompt_ids(messages))
+                local_tokens = len(self.engine.prompt_ids(messages, conversation.tools))
                 if local_tokens > settings["max_prompt_tokens"]:
                     self._finish(conversation, make_row(conversation, turn, PROMPT_TOO_LONG, "", local_tokens, 0, 0.0))
                     return
             body: dict[str, Any] = {
                 "model": self.model,
-                "messages": messages,
+                "messages": openai_messages(messages),
                 "max_tokens": settings["max_new_tokens"],
                 "temperature": settings["temperature"],
                 "top_p": settings["top_p"],
@@ -351,6 +359,8 @@ class _Run:
             }
             if settings["top_k"]:
                 body["top_k"] = settings["top_k"]
+            if conversation.tools:  # the record's tool definitions: the server's template renders them, its tool parser reads the calls
+                body["tools"] = conversation.tools
             self.clock.start()
             sent = time.perf_counter()
             try:
@@ -379,6 +389,7 @@ class _Run:
             choice = payload["choices"][0]
             reply = choice["message"].get("content") or ""
             finish_reason = choice.get("finish_reason") or "unknown"
+            emitted = reply_fields(choice["message"])  # reasoning and tool calls a server's parsers split off the text
         except (KeyError, IndexError, TypeError, AttributeError) as err:
             raise ServerUnavailable(f"{conversation.id} turn {turn}: the server's answer has no choices[0].message ({err!r}): {str(payload)[:300]}") from None
         usage = payload.get("usage") or {}
@@ -388,7 +399,7 @@ class _Run:
             prompt_tokens = local_tokens or 0
         if completion_tokens is None:
             completion_tokens = len(self.engine.tokenizer(reply, add_special_tokens=False)["input_ids"]) if self.engine.tokenizer else 0
-        return make_row(conversation, turn, finish_reason, reply, int(prompt_tokens), int(completion_tokens), seconds, latency=latency, attempts=attempts)
+        return make_row(conversation, turn, finish_reason, reply, int(prompt_tokens), int(completion_tokens), seconds, latency=latency, attempts=attempts, **emitted)
 
     # ---------------------------------------------------------------- one request, retried
 

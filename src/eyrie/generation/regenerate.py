@@ -109,6 +109,8 @@ def shard_stats(records: list[dict], reused_turns: int, conversations: list[Conv
         "error_examples": [{"id": r["id"], "turn": r["turn"], "error": r.get("error", "")} for r in errors[:MAX_ERROR_EXAMPLES]],
         "latency_seconds": _summary(latencies),
         "run": run or {},
+        # Conversations ended after a reply whose tool calls are not the source's (its results answer other calls).
+        **({"tool_calls_differ": ended} if (ended := sum(bool(row.get("ends_conversation")) for row in rows)) else {}),
     }
 
 
@@ -253,7 +255,8 @@ def _regenerate_in_batches(conversations, settings, engine_settings, engine, log
     busy_seconds = 0.0
     while pending := [c for c in conversations if not c.ended]:
         requests = [(c, len(c.answered)) for c in pending]
-        prompt_ids = [engine.prompt_ids(c.messages(upto_turn=turn)) for c, turn in requests]
+        # The record's tools only where it has them: an engine need not know of tools to answer plain chat.
+        prompt_ids = [engine.prompt_ids(c.messages(upto_turn=turn), *([c.tools] if c.tools else [])) for c, turn in requests]
 
         too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) > settings["max_prompt_tokens"]]
         if too_long:

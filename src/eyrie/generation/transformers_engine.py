@@ -66,8 +66,10 @@ class TransformersEngine:
             stop.add(self.tokenizer.eos_token_id)
         return stop
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = render(self.tokenizer, messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt as serving renders it: the conversation so far (with its tool results) and the record's tools.
+        The reply is the decoded text: thinking and tool-call markup stay inline, as the target wrote them."""
+        text = render(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _generation_config(self, settings: dict):
