@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import six_layer_target, wide_drafter
 
 from eyrie.decoding.decode import greedy_decode, speculative_decode
-from eyrie.decoding.static import StaticLlama, open_decoder, unsupported_reason
+from eyrie.decoding.static import StaticLlama, llama_reason, open_decoder, unsupported_reason
 from eyrie.decoding.static_common import UnsupportedTargetError, needed_capacity
 from eyrie.decoding.static_drafter import MergedProducts
+from eyrie.decoding.static_modules import StaticModules
 from eyrie.decoding.transformers_path import Eagle3Chain
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
@@ -16,40 +18,11 @@ from eyrie.target.chat_template import render
 
 MAX_NEW = 20
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?"]
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 6, "max_position_embeddings": 256}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread(one_torch_thread):
     """These decode token by token: see conftest.one_torch_thread."""
-
-
-def tiny_model(kind: str = "llama", vocab_size: int = 300, initializer_range: float = 0.02, **changes):
-    """A random float32 causal LM of the given family, small enough for seconds-long tests."""
-    import transformers
-
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[kind]
-    torch.manual_seed(0)
-    config = config_class(**TINY, vocab_size=vocab_size, initializer_range=initializer_range, **changes)
-    return model_class(config).eval()
-
-
-def tiny_drafter(model, aux_layer_ids=(0, 2, 3), scale: float = 0.2) -> Eagle3Drafter:
-    """A random drafter over the target's whole vocabulary, its weights wide enough to disagree and agree with the target."""
-    vocab = model.config.vocab_size
-    shape = DrafterShape.from_target(model.config, vocab, list(aux_layer_ids))
-    drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for weight in drafter.parameters():
-            if weight.dim() == 2:
-                weight.normal_(0, scale)
-    return drafter.eval()
 
 
 class RecordingChain(Eagle3Chain):
@@ -72,7 +45,7 @@ class RecordingChain(Eagle3Chain):
 def test_static_forward_logits_equal_transformers(kind):
     """Prefill, then decode steps one and three tokens at a time: each equals the full forward (GQA, biases for qwen2)."""
     changes = {"sliding_window": None} if kind == "mistral" else {}
-    model = tiny_model(kind, **changes)
+    model = six_layer_target(kind, **changes)
     if kind == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
     engine = StaticLlama(model, capacity=40, cuda_graphs=False)
@@ -90,7 +63,7 @@ def test_static_forward_logits_equal_transformers(kind):
 
 
 def test_tied_embeddings_and_aux_states_match_transformers():
-    model = tiny_model("llama", tie_word_embeddings=True)
+    model = six_layer_target("llama", tie_word_embeddings=True)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     engine = StaticLlama(model, capacity=32, cuda_graphs=False)
     ids = torch.randint(0, 300, (1, 12))
@@ -110,8 +83,8 @@ def test_tied_embeddings_and_aux_states_match_transformers():
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_static_rounds_draft_exactly_like_the_eagle3_chain(k):
     """Round by round the same drafts and accepts as transformers' path with Eagle3Chain, and greedy's tokens."""
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)  # a tiny vocabulary: drafts often agree
-    drafter = tiny_drafter(model)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)  # a tiny vocabulary: drafts often agree
+    drafter = wide_drafter(model)
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     prompt, max_new = torch.randint(0, 5, (12,)).tolist(), 60
     greedy = greedy_decode(model, prompt, max_new, set()).tokens
@@ -146,7 +119,7 @@ def matrix_products(function, *args):
 
 def test_merged_products_compute_the_drafter_layers_values_in_fewer_products():
     """q, k, v in one product and gate, up in another: the drafter's own values (float32) in 1 + 2 products, not 3 + 3."""
-    drafter = tiny_drafter(tiny_model())
+    drafter = wide_drafter(six_layer_target())
     merged = MergedProducts(drafter)
     hidden, x = torch.randn(1, 5, 64), torch.randn(1, 5, 128)
     cos, sin = drafter.rotary(x, torch.arange(5)[None])
@@ -173,8 +146,8 @@ def test_spans_double_from_the_smallest_and_end_at_the_capacity():
 
 def test_decoding_across_attention_spans_equals_transformers():
     """A decode that grows from the 256-slot span through 512 into 1024 keeps greedy's tokens and the chain's drafts."""
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
-    drafter = tiny_drafter(model)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
+    drafter = wide_drafter(model)
     engine = StaticLlama(model, capacity=1024, cuda_graphs=False)
     prompt, max_new = torch.randint(0, 5, (250,), generator=torch.Generator().manual_seed(2)).tolist(), 300
     greedy = greedy_decode(model, prompt, max_new, set()).tokens
@@ -188,7 +161,7 @@ def test_decoding_across_attention_spans_equals_transformers():
 
 
 def test_static_greedy_stops_at_stop_tokens_and_budget():
-    model = tiny_model("llama")
+    model = six_layer_target("llama")
     engine = StaticLlama(model, capacity=16, cuda_graphs=False)  # too small: grows on demand
     prompt = torch.randint(0, 300, (10,)).tolist()
     expected = greedy_decode(model, prompt, 30, set()).tokens
@@ -197,7 +170,7 @@ def test_static_greedy_stops_at_stop_tokens_and_budget():
     stop = {expected[7]}
     cut = expected[: expected.index(expected[7]) + 1]
     assert greedy_decode(engine, prompt, 30, stop).tokens == cut
-    drafter = tiny_drafter(model)
+    drafter = wide_drafter(model)
     assert speculative_decode(engine, drafter, prompt, 30, stop, draft_tokens=4).tokens == cut
     for max_new in (1, 2, 7):
         assert speculative_decode(engine, drafter, prompt, max_new, set(), draft_tokens=5).tokens == expected[:max_new]
@@ -218,7 +191,7 @@ class RightSession:
 
 
 def test_drafter_session_double_on_the_static_target_gets_every_feature_once():
-    model = tiny_model("llama")
+    model = six_layer_target("llama")
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     prompt = torch.randint(0, 300, (9,)).tolist()
     greedy = greedy_decode(model, prompt, 40, set()).tokens
@@ -238,27 +211,29 @@ def test_drafter_session_double_on_the_static_target_gets_every_feature_once():
 # --------------------------------------------------------------------------- support
 
 
-def test_unsupported_targets_fall_back_with_the_reason():
-    qwen3 = tiny_model("qwen3")
-    assert "qwen3" in unsupported_reason(qwen3)
+def test_targets_pick_their_static_engine_and_unsupported_ones_fall_back_with_the_reason():
+    qwen3 = six_layer_target("qwen3")  # qk-norm: not Llama's layer, so the target's own modules run on the static cache
+    assert "qwen3" in llama_reason(qwen3) and unsupported_reason(qwen3) is None
     engine, label, reason = open_decoder(qwen3, "auto", capacity=32)
-    assert engine is qwen3 and label == "transformers" and "qwen3" in reason
-    with pytest.raises(UnsupportedTargetError, match="bench.decoder: transformers"):
-        open_decoder(qwen3, "static", capacity=32)
-    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert isinstance(engine, StaticModules) and label.startswith("static-modules") and reason is None
+    sliding = six_layer_target("mistral", sliding_window=16)
+    assert "sliding" in llama_reason(sliding) and isinstance(open_decoder(sliding, "static", capacity=32)[0], StaticModules)
+    dynamic = six_layer_target("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert "dynamic" in unsupported_reason(dynamic)
-    sliding = tiny_model("mistral", sliding_window=16)
-    assert "sliding" in unsupported_reason(sliding)
-    llama = tiny_model("llama")
+    engine, label, reason = open_decoder(dynamic, "auto", capacity=32)
+    assert engine is dynamic and label == "transformers" and "dynamic" in reason
+    with pytest.raises(UnsupportedTargetError, match="dynamic"):
+        open_decoder(dynamic, "static", capacity=32)
+    llama = six_layer_target("llama")
     engine, label, reason = open_decoder(llama, "auto", capacity=32)
-    assert isinstance(engine, StaticLlama) and label == ("static-cudagraph" if torch.cuda.is_available() else "static") and reason is None
+    assert type(engine) is StaticLlama and label == ("static-cudagraph" if torch.cuda.is_available() else "static") and reason is None
     assert open_decoder(llama, "transformers", capacity=32)[:2] == (llama, "transformers")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_replays_equal_eager_runs():
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2).cuda()
-    drafter = tiny_drafter(model).cuda()
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2).cuda()
+    drafter = wide_drafter(model).cuda()
     prompt = torch.randint(0, 5, (12,)).tolist()
     eager, graphed = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=True)
     assert greedy_decode(graphed, prompt, 40, set()).tokens == greedy_decode(eager, prompt, 40, set()).tokens
@@ -270,8 +245,8 @@ def test_cuda_graph_replays_equal_eager_runs():
 
 def test_compiled_steps_decode_exactly_like_eager_steps():
     """compile fuses each step's kernels (inductor): the same greedy tokens and the same speculative rounds."""
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
-    drafter = tiny_drafter(model)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
+    drafter = wide_drafter(model)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     eager, fused = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=False, compile=True)
     assert fused.label == "static-compiled"
@@ -290,8 +265,8 @@ def test_compiling_costs_two_small_graphs_per_step_width_whatever_the_spans_laye
     rounds instead of capturing again."""
     import torch._dynamo
 
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
-    drafter = tiny_drafter(model)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
+    drafter = wide_drafter(model)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -317,10 +292,10 @@ def test_every_step_width_of_a_sweep_runs_compiled():
     sweep did). The engine raises the limit, so each width gets its compiled graph."""
     import torch._dynamo
 
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
     widths = range(1, 11)
     with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default, whatever an earlier test left; restored after
-        eagle = StaticLlama(model, 64, cuda_graphs=False, compile=True).drafter_for(tiny_drafter(model))
+        eagle = StaticLlama(model, 64, cuda_graphs=False, compile=True).drafter_for(wide_drafter(model))
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         with torch.inference_mode():
@@ -330,8 +305,8 @@ def test_every_step_width_of_a_sweep_runs_compiled():
 
 
 def test_a_drafter_piece_that_fails_to_compile_runs_eagerly_and_says_why():
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
-    drafter = tiny_drafter(model)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
+    drafter = wide_drafter(model)
     prompt = [1, 2, 3, 4, 0, 1]
     fused, eager = StaticLlama(model, 64, cuda_graphs=False, compile=True), StaticLlama(model, 64, cuda_graphs=False)
     eagle = fused.drafter_for(drafter)
@@ -346,15 +321,15 @@ def test_a_drafter_piece_that_fails_to_compile_runs_eagerly_and_says_why():
 
 
 def test_compile_auto_fuses_on_cuda_only():
-    llama = tiny_model("llama")
+    llama = six_layer_target("llama")
     assert open_decoder(llama, "auto", capacity=32, compile="auto")[1] == "static"  # a CPU target: nothing to fuse for
     assert open_decoder(llama, "auto", capacity=32, compile=True)[1] == "static-compiled"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_compiled_cuda_graph_replays_equal_eager_runs():
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2).cuda()
-    drafter = tiny_drafter(model).cuda()
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2).cuda()
+    drafter = wide_drafter(model).cuda()
     prompt = torch.randint(0, 5, (12,)).tolist()
     eager, fused = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=True, compile=True)
     assert greedy_decode(fused, prompt, 40, set()).tokens == greedy_decode(eager, prompt, 40, set()).tokens
@@ -420,7 +395,7 @@ def test_batched_greedy_equals_left_padded_generate(kind, monkeypatch):
     """Rows of different lengths (one a single token), stop tokens, chunked prefill, then a smaller batch on the same cache."""
     import eyrie.decoding.batched_greedy as static_generate
 
-    model = tiny_model(kind, vocab_size=50, initializer_range=0.2)
+    model = six_layer_target(kind, vocab_size=50, initializer_range=0.2)
     torch.manual_seed(3)
     prompts = [torch.randint(1, 50, (n,)).tolist() for n in (5, 17, 1, 30, 9)]
     stop = {7}
@@ -438,7 +413,7 @@ def test_batched_greedy_across_attention_spans_and_early_exit():
     """Rows growing from the 256-slot span into 512; a batch whose rows all stop returns before the budget."""
     from eyrie.decoding.batched_greedy import CHECK_EVERY, BatchedGreedy
 
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 5, (n,), generator=generator).tolist() for n in (240, 100)]
     loop = BatchedGreedy(model, 0, set(), cuda_graphs=False)
@@ -454,7 +429,7 @@ def test_batched_greedy_across_attention_spans_and_early_exit():
 def test_batched_greedy_graph_replays_equal_eager_runs():
     from eyrie.decoding.batched_greedy import BatchedGreedy
 
-    model = tiny_model("llama", vocab_size=50, initializer_range=0.2).cuda()
+    model = six_layer_target("llama", vocab_size=50, initializer_range=0.2).cuda()
     prompts = [torch.randint(1, 50, (n,)).tolist() for n in (5, 300, 1, 30)]
     eager = BatchedGreedy(model, 0, {7}, cuda_graphs=False).generate(prompts, 60)
     assert BatchedGreedy(model, 0, {7}, cuda_graphs=True).generate(prompts, 60) == eager

@@ -22,16 +22,20 @@ import functools
 import torch
 
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static import StaticLlama, llama_reason
 from eyrie.decoding.static_common import round_up, span_for, spans_up_to
+from eyrie.decoding.static_modules import StaticModules
 
 CHECK_EVERY = 16  # decode steps between host reads of "all rows finished"
 PREFILL_TOKENS = 32768  # padded prompt tokens per eager prefill chunk (bounds the attention mask's memory)
 ROW_STEP = 8  # row buffers are rounded up to this; smaller batches fill the rest with finished dummy rows
 
 
-class BatchedGreedy(StaticLlama):
-    """Greedy continuations of many prompts on one static cache; same tokens as transformers' left-padded generate()."""
+class BatchedRows:
+    """Greedy continuations of many prompts on one static cache; same tokens as transformers' left-padded generate().
+
+    Mixed into a static engine (StaticLlama or StaticModules): the rows, masks and loop are these, the forward the engine's.
+    """
 
     def __init__(self, model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None):
         self.rows, self.max_new, self.steps = round_up(rows, ROW_STEP), 0, {}
@@ -70,9 +74,9 @@ class BatchedGreedy(StaticLlama):
     def _decode_step(self, span: int) -> None:
         keys = self.slots[None, :span]
         rope = (self.slot - self.pads).clamp(min=0)  # (R,)
-        cos, sin = self.cos[rope][:, None, None], self.sin[rope][:, None, None]  # (R, 1, 1, hd)
-        mask = ((keys <= self.slot) & (keys >= self.pads[:, None]))[:, None, None]  # (R, 1, 1, span)
-        hidden, _ = self.run_layers(self.next_ids, self.slot, cos, sin, mask, span)
+        visible = ((keys <= self.slot) & (keys >= self.pads[:, None]))[:, None]  # (R, 1, span)
+        distance = (self.slot - keys)[None] if self.windowed else None  # query position - key position: the pads cancel
+        hidden, _ = self.run_layers(self.next_ids, self.slot, self.rope_at(rope[:, None]), self.masks_for(visible, distance), span)
         self._emit(self.model.lm_head(hidden[:, -1]).argmax(-1))
         self.slot.add_(1)
 
@@ -81,18 +85,16 @@ class BatchedGreedy(StaticLlama):
         width = ids.shape[1]
         span = span_for(width, self.capacity)
         slots, keys = self.slots[:width], self.slots[None, None, :span]
-        group = self.heads // self.kv_heads
+        distance = (slots[:, None] - keys[0])[None] if self.windowed else None  # (1, W, span)
         chunk = max(1, PREFILL_TOKENS // width)
         firsts = []
         for a in range(0, self.rows, chunk):
             rows = slice(a, min(self.rows, a + chunk))
             pads = self.pads[rows][:, None, None]  # (c, 1, 1)
             rope = (slots[None] - pads[:, 0]).clamp(min=0)  # (c, W)
-            cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # (c, 1, W, hd)
             query = slots[None, :, None]  # (1, W, 1)
             visible = (keys <= query) & ((keys >= pads) | (query < pads))  # (c, W, span)
-            mask = visible[:, None].repeat(1, 1, group, 1)  # (c, 1, group * W, span): _attend's grouped rows
-            hidden, _ = self.run_layers(ids[rows], slots, cos, sin, mask, span, rows)
+            hidden, _ = self.run_layers(ids[rows], slots, self.rope_at(rope), self.masks_for(visible, distance), span, rows)
             firsts.append(self.model.lm_head(hidden[:, -1]).argmax(-1))
         return torch.cat(firsts)
 
@@ -120,3 +122,17 @@ class BatchedGreedy(StaticLlama):
             self.steps[span_for(width + t, self.capacity)]()  # feeds token t-1 at slot width+t-1
         produced = int(self.step)
         return self.out[:count, :produced].tolist()
+
+
+class BatchedGreedy(BatchedRows, StaticLlama):
+    """BatchedRows on the Llama fast path."""
+
+
+class BatchedModules(BatchedRows, StaticModules):
+    """BatchedRows on the target's own decoder layers (eyrie.decoding.static_modules)."""
+
+
+def open_batched_greedy(model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None) -> BatchedRows:
+    """The batched greedy loop on the fastest static engine for `model` (eyrie.decoding.static.open_engine's choice)."""
+    engine = BatchedGreedy if llama_reason(model) is None else BatchedModules
+    return engine(model, pad_id, stop_ids, rows=rows, capacity=capacity, cuda_graphs=cuda_graphs)

@@ -49,15 +49,16 @@ from eyrie.drafter.model import Eagle3Drafter, rotate_half
 from eyrie.target.aux_layers import capture_indices
 
 # Architectures whose decoder layer is exactly Llama's: pre-norm attention (q/k/v/o, biases allowed)
-# and a gated MLP, one rotary table, full attention everywhere.
+# and a gated MLP, one rotary table, full attention everywhere. They run on StaticLlama, the fused fast path;
+# every other decoder runs its own modules on the static cache (eyrie.decoding.static_modules).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 # --------------------------------------------------------------------------- support
 
 
-def unsupported_reason(model) -> str | None:
-    """Why the static decoder cannot run `model`, or None when it can."""
+def llama_reason(model) -> str | None:
+    """Why StaticLlama (the Llama fast path) cannot run `model`, or None when it can."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -66,7 +67,7 @@ def unsupported_reason(model) -> str | None:
     if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):
         return f"{model_type} with sliding-window attention layers (layer_types {sorted(set(layer_types))})"
     if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return f"mistral with sliding_window {config.sliding_window}; the static cache attends to every position"
+        return f"mistral with sliding_window {config.sliding_window}; the Llama path attends to every position"
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
@@ -84,12 +85,32 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def unsupported_reason(model) -> str | None:
+    """Why no static engine (the Llama fast path or the target's own modules) can run `model`, or None when one can."""
+    if llama_reason(model) is None:
+        return None
+    from eyrie.decoding.static_modules import modules_reason  # it builds on this module
+
+    return modules_reason(model)
+
+
 def check_supported(model) -> None:
-    reason = unsupported_reason(model)
+    reason = llama_reason(model)
     if reason is not None:
         raise UnsupportedTargetError(
-            f"the static decoder cannot run this target: {reason}. Set bench.decoder: transformers (or auto) to use transformers' decode."
+            f"the static Llama decoder cannot run this target: {reason}. eyrie.decoding.static.open_engine picks the engine that can."
         )
+
+
+def open_engine(model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False):
+    """The fastest static engine for `model`: StaticLlama for Llama-structured decoders, else StaticModules (the
+    target's own decoder layers on the static cache; compile does not apply there). UnsupportedTargetError says why
+    neither can run it."""
+    if llama_reason(model) is None:
+        return StaticLlama(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile)
+    from eyrie.decoding.static_modules import StaticModules
+
+    return StaticModules(model, capacity=capacity, cuda_graphs=cuda_graphs)
 
 
 # --------------------------------------------------------------------------- target
@@ -104,7 +125,7 @@ class StaticLlama:
     rows = 1  # cache rows (sequences); BatchedGreedy holds many
 
     def __init__(self, model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False):
-        check_supported(model)
+        self.check_target(model)
         self.model, self.config = model, model.config
         self.layers = list(model.model.layers)
         self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -129,6 +150,9 @@ class StaticLlama:
         self._greedy_step_fn = self.step_function(self._greedy_step)
         self.capacity = 0
         self.ensure_capacity(capacity)
+
+    def check_target(self, model) -> None:
+        check_supported(model)
 
     @property
     def label(self) -> str:
@@ -224,17 +248,40 @@ class StaticLlama:
         span: cache slots attended (every position must be below it); None = the whole cache.
         """
         span = self.capacity if span is None else span
-        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]  # (1, 1, T, hd)
-        mask = self.slots[None, :span] <= positions[:, None]  # (T, span): a key slot is visible up to the query's position
-        mask = mask.repeat(self.heads // self.kv_heads, 1)  # (group * T, span): the rows of _attend's grouped queries
-        return self.run_layers(ids, positions, cos, sin, mask, span, aux_layers=aux_layers, normed=normed)
+        keys = self.slots[None, :span]
+        visible = (keys <= positions[:, None])[None]  # (1, T, span): a key slot is visible up to the query's position
+        distance = positions[:, None] - keys if self.windowed else None
+        masks = self.masks_for(visible, distance)
+        return self.run_layers(ids, positions, self.rope_at(positions[None]), masks, span, aux_layers=aux_layers, normed=normed)
 
-    def run_layers(self, ids, slots, cos, sin, mask, span: int, rows: slice = slice(None), aux_layers=(), normed: bool = True):
+    # ---- what callers build a forward from (eyrie.decoding.batched_greedy, static_tree): rope and masks per engine
+
+    windowed = False  # whether any layer attends within a sliding window (then masks_for needs query-key distances)
+
+    def rope_at(self, positions: torch.Tensor):
+        """The rotary inputs of queries at positions (B, T): cos, sin (B, 1, T, hd), as _project takes them."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def masks_for(self, visible: torch.Tensor, distance: torch.Tensor | None = None):
+        """What run_layers attends with, from visible (B, T, S): key slot s visible to query t (S >= the span; run_layers
+        takes the first span columns). distance (query position - key position, broadcast to visible) only matters
+        to sliding-window layers, which this engine has none of. Here: (B, 1, group * T, S), the rows of _attend's
+        grouped queries."""
+        return visible[:, None].repeat(1, 1, self.heads // self.kv_heads, 1)
+
+    def move_slots(self, moved_from: torch.Tensor, moved_to: torch.Tensor) -> None:
+        """Every layer's K/V of cache slots moved_from to slots moved_to (index_select copies before the write)."""
+        for cache in (self.keys, self.values):
+            cache.index_copy_(3, moved_to, cache.index_select(3, moved_from))
+
+    def run_layers(self, ids, slots, rope, mask, span: int, rows: slice = slice(None), aux_layers=(), normed: bool = True):
         """(final normed hidden (B, T, H), or the last layer's output with normed=False; aux (B, T, 3H) or None) of
-        ids (B, T) whose K/V go to cache `slots` (T,) of cache rows `rows`; cos, sin and mask as _project and _attend
-        take them."""
+        ids (B, T) whose K/V go to cache `slots` (T,) of cache rows `rows`; rope as rope_at and mask as masks_for
+        give them."""
         x = self.model.model.embed_tokens(ids)
         project, finish = (self._fused_project, self._fused_finish) if self.fusing else (self._project, self._finish)
+        cos, sin = rope
+        mask = mask[..., :span]
         saved = {}
         for index, layer in enumerate(self.layers):
             q, k, v = project(layer, x, cos, sin)
@@ -344,12 +391,12 @@ def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = 
         raise UnsupportedTargetError(f"bench.decoder is {setting!r}; use one of {', '.join(DECODERS)}")
     if setting == "transformers":
         return model, "transformers", "bench.decoder: transformers"
-    reason = unsupported_reason(model)
-    if reason is not None:
-        if setting == "static":
-            check_supported(model)
-        return model, "transformers", reason
     if compile == "auto":
         compile = next(model.parameters()).device.type == "cuda"
-    engine = StaticLlama(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=bool(compile))
+    try:
+        engine = open_engine(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=bool(compile))
+    except UnsupportedTargetError as error:
+        if setting == "static":
+            raise
+        return model, "transformers", str(error)
     return engine, engine.label, None

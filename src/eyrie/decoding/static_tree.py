@@ -151,7 +151,7 @@ class StaticTree:
 
     # ---- the round
 
-    def _select(self, tokens, parents, scores, token, current, slots, cos_table, sin_table):
+    def _select(self, tokens, parents, scores, token, current, slots):
         """The verify's inputs from the drafted nodes (tokens, parents, scores: lists of one tensor per depth, as
         _grow returns them): the N - 1 best by cumulative score, in drafting order, after the current token `token`
         (1, 1) at position `current` (1,). Returns (ids (1, N), cache slots (N,): current + row, parent row of each
@@ -169,14 +169,18 @@ class StaticTree:
         ancestry = self.eye[:N, :N]
         for _ in range(S):  # depth <= S: S rounds of "my ancestors are my parent's and my parent"
             ancestry = self.eye[:N, :N] | ancestry.index_select(0, verify_parents)
-        # Row r writes slot current + r and is rotated to current + depth; it sees the prefix and its ancestors.
+        # Row r writes slot current + r and is rotated to position current + depth; it sees the prefix and its ancestors.
         relative = slots - current  # (capacity,)
         in_tree = (relative >= 0) & (relative < N)
-        mask = (relative < 0)[None] | (ancestry.index_select(1, relative.clamp(0, N - 1)) & in_tree[None])  # (N, capacity)
-        mask = mask.repeat(target.heads // target.kv_heads, 1)
+        tree_row = relative.clamp(0, N - 1)
+        visible = (relative < 0)[None] | (ancestry.index_select(1, tree_row) & in_tree[None])  # (N, capacity)
         positions = current + verify_depths
-        cos, sin = rotary_at(cos_table, sin_table, positions)
-        return verify_tokens[None], current + self.rows, verify_parents, verify_depths, ancestry, mask, cos, sin
+        distance = None
+        if target.windowed:  # sliding windows count positions: a tree slot holds position current + its row's depth
+            key_positions = torch.where(relative < 0, slots, current + verify_depths.index_select(0, tree_row))
+            distance = (positions[:, None] - key_positions[None])[None]
+        mask = target.masks_for(visible[None], distance)
+        return verify_tokens[None], current + self.rows, verify_parents, verify_depths, ancestry, mask, target.rope_at(positions[None])
 
     def _accept(self, verify_tokens, predicted, verify_parents, verify_depths, ancestry, aux, current):
         """The deepest row whose whole path the target agrees with (the first at that depth), then the bonus; the next
@@ -213,14 +217,11 @@ class StaticTree:
         # after the move, so the next round's extend started accepted + 1 positions late (lossless, but fewer drafts
         # accepted: a (3, 2, 6) tree 1.22 where eager rounds accept 1.39, tests/decoding/test_static_tree.py).
         current = target.position.clone()
-        ids, slots, verify_parents, verify_depths, ancestry, mask, cos, sin = self.piece(
-            "_select", *drafted, target.token, current, target.slots, target.cos, target.sin)
-        x, aux = target.run_layers(ids, slots, cos, sin, mask[:, :span], span, aux_layers=drafter.aux_layers, normed=False)
+        ids, slots, verify_parents, verify_depths, ancestry, mask, rope = self.piece("_select", *drafted, target.token, current, target.slots)
+        x, aux = target.run_layers(ids, slots, rope, mask, span, aux_layers=drafter.aux_layers, normed=False)
         predicted = target.head(x)[0]  # (N,): the target's token after each row
         moved_from, moved_to = self.piece("_accept", ids[0], predicted, verify_parents, verify_depths, ancestry, aux, current)
-        # The path's K/V to slots current + 1.., every layer at once (index_select copies before the write).
-        for cache in (target.keys, target.values):
-            cache.index_copy_(3, moved_to, cache.index_select(3, moved_from))
+        target.move_slots(moved_from, moved_to)  # the path's K/V to slots current + 1.., every layer at once
 
     def _graph_for(self, span: int) -> Replay:
         if span not in self.graphs:

@@ -83,6 +83,17 @@ def _forward(target, ids: list[int], cache: DynamicCache, hidden_states: bool = 
     )
 
 
+def decode_cache(target) -> DynamicCache:
+    """The decode's DynamicCache. For a target with sliding-window layers every layer keeps every position: the
+    sliding layers DynamicCache(config) builds drop what falls out of the window, and then cannot be cropped back
+    after a rejected draft nor gathered along a tree's path. The model's own masks still apply each window."""
+    config = target.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "sliding_window", None) is not None or any(kind != "full_attention" for kind in layer_types):
+        return DynamicCache()
+    return DynamicCache(config=target.config)
+
+
 def _crop(cache: DynamicCache, length: int) -> None:
     # transformers >= 5 takes the number of tokens to remove, as a negative count.
     cache.crop(length - cache.get_seq_length())
@@ -92,7 +103,7 @@ def _crop(cache: DynamicCache, length: int) -> None:
 def greedy_decode(target, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> DecodeResult:
     """Plain greedy decoding, one token per target forward, with a KV cache."""
     start = time.perf_counter()
-    cache = DynamicCache(config=target.config)
+    cache = decode_cache(target)
     logits = _forward(target, prompt_ids, cache, last_only=True).logits  # prefill
     tokens, forwards = [int(logits[0, -1].argmax())], 1
     while not finished(tokens, max_new_tokens, stop_ids):
@@ -106,7 +117,7 @@ class TransformersVerifier:
     """The target side of a speculative round on transformers' forward and DynamicCache."""
 
     def __init__(self, target, aux_layer_ids):
-        self.target, self.cache = target, DynamicCache(config=target.config)
+        self.target, self.cache = target, decode_cache(target)
         self.capture = capture_indices(aux_layer_ids, target.config.num_hidden_layers)
 
     def _aux(self, out) -> torch.Tensor:  # (1, T, 3H): the fused features of every position of this forward

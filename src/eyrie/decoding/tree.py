@@ -225,11 +225,21 @@ class TreeVerifier(TransformersVerifier):
         n = len(tree.tokens)
         visible = torch.cat([torch.ones(n, position, dtype=torch.bool), tree_mask(tree.parents)], dim=1)
         # Additive float mask: transformers passes a 4D mask through untouched, and eager and sdpa both add it.
-        mask = torch.zeros(1, 1, n, position + n, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+        additive = lambda seen: torch.zeros(1, 1, n, position + n, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min).to(device)  # noqa: E731
+        mask = additive(visible)
+        config = self.target.config.get_text_config(decoder=True)
+        window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+        if window is not None and (layer_types is None or "sliding_attention" in layer_types):
+            # Sliding-window layers count positions, and a tree row sits at position + its depth, not at its row.
+            depths = torch.tensor(tree.depths)
+            keys = torch.cat([torch.arange(position), position + depths])
+            windowed = additive(visible & ((position + depths)[:, None] - keys[None] < window))
+            # Layer types: the model takes one mask per type; Mistral (no types) slides every layer.
+            mask = windowed if layer_types is None else {"full_attention": mask, "sliding_attention": windowed}
         out = self.target(
             input_ids=torch.tensor([tree.tokens], device=device),
             position_ids=torch.tensor([[position + d for d in tree.depths]], device=device),
-            attention_mask=mask.to(device),
+            attention_mask=mask,
             **{cache_keyword(self.target): self.cache},
             use_cache=True,
             output_hidden_states=True,
