@@ -159,6 +159,8 @@ def _dataset_row(name: str, summary: dict | None) -> dict[str, Any]:
         "train": summary.get("train"),
         "shards": {str(k): int(v) for k, v in sorted((summary.get("shards") or {}).items())},
         "roles_seen": {str(k): int(v) for k, v in (summary.get("roles_seen") or {}).items()},
+        # messages with reasoning, with tool calls, tool calls, tool results, records with tools (eyrie.data.prompts)
+        "agentic": {str(k): int(v) for k, v in (summary.get("agentic") or {}).items()},
         "synthetic": _synthetic(summary.get("synthetic")),
         "rework": _rework(summary.get("rework")),
     }
@@ -413,7 +415,21 @@ def _token_dataset(name: str, shards: list[dict], config: dict) -> dict[str, Any
         "truncated": int(sum(sum(bool(t) for t in s["columns"].get("truncated", [])) for s in shards)),
         "dropped": dict(dropped.most_common()),
         "dropped_total": sum(dropped.values()),
+        "per_turn": _per_turn(shards),
         "max_seq_len": distinct(s["meta"].get("max_seq_len") for s in shards),
         "template_sha256": distinct(s["meta"].get("template_sha256") for s in shards),
         "templates_by_shard": {s["shard"]: s["meta"].get("template_sha256") for s in shards},
     }
+
+
+PER_TURN_KEYS = ("per_turn_records", "turn_samples", "per_turn_tokens", "per_turn_tokens_as_one_sample", "unstable_turns")
+
+
+def _per_turn(shards: list[dict]) -> dict[str, Any] | None:
+    """Samples of conversations the template renders unstably, one per assistant turn (eyrie.target.chat_template), and
+    what they cost the hidden-state cache; None where there are none."""
+    totals = {k: sum(int((s["meta"].get("stats") or {}).get(k) or 0) for s in shards) for k in PER_TURN_KEYS}
+    if not totals["per_turn_records"] and not totals["unstable_turns"]:
+        return None
+    examples = [e for s in shards for e in (s["meta"].get("stats") or {}).get("unstable_examples") or []][:5]
+    return {**totals, "unstable_examples": examples}

@@ -93,15 +93,18 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
         "dropped": dropped,
         "tokens": sum(r["n_tokens"] for r in rows),
         "assistant_tokens": sum(r["n_assistant_tokens"] for r in rows),
-        "per_turn_records": per_turn_records,
-        "turn_samples": turn_samples,
-        # The cache's cost of per-turn samples: their tokens against what those conversations hold as one sample each.
-        "per_turn_tokens": per_turn_tokens,
-        "per_turn_tokens_as_one_sample": one_sample_tokens,
-        "unstable_turns": unstable_turns,
-        "unstable_examples": unstable_examples,
-        "reasoning_not_rendered": reasoning_dropped,
     }
+    if per_turn_records or unstable_turns or reasoning_dropped:  # only then: a plain chat shard's stats stay as they were
+        stats.update({
+            "per_turn_records": per_turn_records,
+            "turn_samples": turn_samples,
+            # The cache's cost of per-turn samples: their tokens against what those conversations hold as one sample each.
+            "per_turn_tokens": per_turn_tokens,
+            "per_turn_tokens_as_one_sample": one_sample_tokens,
+            "unstable_turns": unstable_turns,
+            "unstable_examples": unstable_examples,
+            "reasoning_not_rendered": reasoning_dropped,
+        })
     metadata = {
         "dataset": source.get("dataset"),
         "shard": source.get("shard"),
