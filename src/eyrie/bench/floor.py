@@ -31,7 +31,7 @@ def floor_capacity(needed: int) -> int:
 
 def floor_block(model, engine, prompt_id: str, prompt_ids: list[int], new_tokens: int, compile: bool) -> dict:
     """ms per greedy token of the floor and of `engine` (decode steps only, median of REPEATS after WARMUPS) and their ratio."""
-    if not isinstance(engine, StaticLlama):
+    if type(engine) is not StaticLlama:  # the floor is a Llama step: other families' static engine has none to compare with
         return {"error": f"the floor is compared with the static decoder; this run used {getattr(engine, 'label', 'transformers')}"}
     capacity = floor_capacity(len(prompt_ids) + new_tokens + 2)
     floor = FloorDecoder(model, capacity, compile=compile, graphs=cuda_graphs_usable(engine.device))

@@ -111,11 +111,15 @@ class TransformersEngine:
         from eyrie.decoding.static import unsupported_reason
 
         reason = "sampling (temperature > 0); the static loop is greedy" if settings["temperature"] > 0 else unsupported_reason(self.model)
-        if reason is None:
-            if self.static is None:
-                from eyrie.decoding.batched_greedy import BatchedGreedy
+        if reason is None and self.static is None:
+            from eyrie.decoding.batched_greedy import open_batched_greedy
+            from eyrie.decoding.static_common import UnsupportedTargetError
 
-                self.static = BatchedGreedy(self.model, self.tokenizer.pad_token_id, self.stop_ids)
+            try:
+                self.static = open_batched_greedy(self.model, self.tokenizer.pad_token_id, self.stop_ids)
+            except UnsupportedTargetError as error:  # the engine's self-check against the model's own forward refused it
+                reason = str(error)
+        if reason is None:
             return True
         if self.fallback != reason:
             self.fallback = reason
