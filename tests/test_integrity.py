@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
+from factories import llama_config, tiny_drafter, tiny_llama, tiny_target_dir
 from safetensors.torch import save_file
 
 from eyrie.core.artifacts import ArtifactError, read_parquet
@@ -38,15 +39,7 @@ def one_thread(one_torch_thread):
 
 def make_target(path: Path) -> Path:
     """A tiny Llama target: config.json and the tensors training reads (embeddings, LM head, final norm)."""
-    from transformers import LlamaConfig
-
-    path.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=128,
-                num_hidden_layers=LAYERS, vocab_size=V, max_position_embeddings=512, tie_word_embeddings=False).save_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    save_file({"model.embed_tokens.weight": torch.randn(V, H, generator=g), "model.norm.weight": torch.ones(H),
-               "lm_head.weight": torch.randn(V, H, generator=g)}, str(path / "model.safetensors"))
-    return path
+    return tiny_target_dir(path, hidden=H, layers=LAYERS, vocab=V, intermediate=128, norm_noise=0)
 
 
 def write_vocab(path: Path) -> Path:
@@ -216,16 +209,10 @@ def tokens_shard(path: Path) -> Path:
 
 
 def trained_drafter(tmp_path: Path) -> Path:
-    from transformers import LlamaConfig
-
     from eyrie.drafter.checkpoint import checkpoint_tensors, write_checkpoint
-    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 
-    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, num_hidden_layers=8,
-                         vocab_size=50, max_position_embeddings=128)
-    shape = DrafterShape.from_target(config, 50, [1, 3, 4])
-    model = Eagle3Drafter(shape, torch.randn(50, 32), torch.zeros(50, dtype=torch.int64), torch.ones(50, dtype=torch.bool))
-    write_checkpoint(tmp_path / "drafter", shape.sglang_config(), checkpoint_tensors(model), [{"step": 1}])
+    model = tiny_drafter(llama_config(hidden=32, layers=8, vocab=50, intermediate=64, positions=128, head_dim=8), seed=None)
+    write_checkpoint(tmp_path / "drafter", model.shape.sglang_config(), checkpoint_tensors(model), [{"step": 1}])
     return tmp_path / "drafter"
 
 
@@ -282,10 +269,10 @@ def flip_a_byte(path: Path, at: float = 0.5) -> None:
 
 
 def test_every_writer_records_a_digest_its_reader_checks(tmp_path):
-    from eyrie.tokens.shards import read_tokens
-    from eyrie.tokens.vocab import VocabError, load_draft_vocab
     from eyrie.generation.conversations import load_conversations
     from eyrie.hidden.cache import HiddenCacheError, load_hidden
+    from eyrie.tokens.shards import read_tokens
+    from eyrie.tokens.vocab import VocabError, load_draft_vocab
 
     prompts = tmp_path / "prompts" / "local" / "0000.parquet"
     write_parquet_atomically(pa.table({"id": ["a"] * 40, "messages": [[{"role": "user", "content": "hello there"}]] * 40}), prompts)
@@ -344,17 +331,10 @@ def test_a_cache_left_incomplete_by_a_failed_write_never_verifies(tmp_path):
 
 
 def test_the_benchmark_refuses_a_drafter_whose_logits_are_not_finite():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from eyrie.bench.benchmark import NonFiniteDrafterError, check_drafter_logits
-    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, num_hidden_layers=8,
-                         vocab_size=50, max_position_embeddings=128)
-    target = LlamaForCausalLM(config).eval()
-    shape = DrafterShape.from_target(config, 50, [1, 3, 4])
-    drafter = Eagle3Drafter(shape, target.get_input_embeddings().weight.detach(), torch.zeros(50, dtype=torch.int64), torch.ones(50, dtype=torch.bool)).eval()
+    target = tiny_llama(hidden=32, layers=8, vocab=50, intermediate=64, positions=128, head_dim=8)
+    drafter = tiny_drafter(target.config, seed=None, embeddings=target.get_input_embeddings().weight.detach())
     check_drafter_logits(target, drafter, [1, 2, 3, 4, 5], "results/drafter")  # finite: nothing to say
     with torch.no_grad():
         drafter.midlayer.mlp.down_proj.weight[0, 0] = float("nan")

@@ -6,7 +6,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-import torch
+from factories import tiny_llama, word_tokenizer
 
 from eyrie import config as cfg
 from eyrie.core.digest import verify
@@ -34,40 +34,20 @@ SETTINGS = {"count": 3, "topics": [], "topic_as": "system", "topic_template": No
             "max_tokens": 10, "min_chars": 1, "max_samples": 64, "batch_size": 8, "seed": 0}
 
 
-def word_tokenizer(template: str, specials: list[str], eos: str, bos: str | None = None):
-    """A word-level tokenizer of a few dozen tokens with a real chat template: a random model over it ends turns often."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["[UNK]", *specials, *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    others = [s for s in specials if s not in (eos, bos)]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token=eos, bos_token=bos, pad_token=eos,
-                                        additional_special_tokens=others)
-    tokenizer.chat_template = template
-    return tokenizer
-
-
 def chatml_tokenizer():
-    return word_tokenizer(CHATML, ["<|im_start|>", "<|im_end|>"], eos="<|im_end|>")
+    return word_tokenizer(CHATML, ["<|im_start|>", "<|im_end|>"], words=WORDS, eos="<|im_end|>")
 
 
 def llama3_tokenizer():
     # eos is <|end_of_text|> as in the base tokenizer: the end of a user turn must come from the template, not eos
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    return word_tokenizer(LLAMA3, specials, eos="<|end_of_text|>", bos="<|begin_of_text|>")
+    return word_tokenizer(LLAMA3, specials, words=WORDS, eos="<|end_of_text|>", bos="<|begin_of_text|>")
 
 
-def tiny_llama(tokenizer, seed: int = 0):
-    """A random float32 Llama over the tokenizer's vocabulary, its eos the tokenizer's."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                      max_position_embeddings=256, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return transformers.LlamaForCausalLM(config).eval()
+def llama_over(tokenizer, seed: int = 0):
+    """A random float32 2-layer Llama of width 32 over the tokenizer's vocabulary, its eos the tokenizer's."""
+    return tiny_llama(seed=seed, hidden=32, layers=2, vocab=len(tokenizer), intermediate=64, positions=256, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,7 +86,7 @@ def test_llama3_user_prefix_keeps_the_templates_bos_and_its_turn_ends_with_eot_n
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nHelp with maths.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
     )
     assert end_of_turn(tokenizer) == "<|eot_id|>"
-    model = tiny_llama(tokenizer)
+    model = llama_over(tokenizer)
     ids = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"])
     assert stop_token_ids(tokenizer, model) == sorted(ids)
 
@@ -124,7 +104,7 @@ def test_the_user_prefix_rendered_is_what_the_template_puts_before_a_real_messag
     ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ m.content }}<|im_end|>{% endfor %}", "2 times"),
 ])
 def test_templates_that_cannot_be_cut_are_refused_with_the_fix(template, problem):
-    tokenizer = word_tokenizer(template, ["<|im_start|>", "<|im_end|>"], eos="<|im_end|>")
+    tokenizer = word_tokenizer(template, ["<|im_start|>", "<|im_end|>"], words=WORDS, eos="<|im_end|>")
     with pytest.raises(ContractError, match=problem) as error:
         user_prefix(tokenizer, system="Help with Python.")
     assert "topic_as: user_prefix" in str(error.value) or "file source" in str(error.value)
@@ -132,7 +112,7 @@ def test_templates_that_cannot_be_cut_are_refused_with_the_fix(template, problem
 
 def test_a_template_whose_user_turn_ends_in_plain_text_is_refused():
     llama2 = "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"
-    tokenizer = word_tokenizer(llama2, ["</s>"], eos="</s>")
+    tokenizer = word_tokenizer(llama2, ["</s>"], words=WORDS, eos="</s>")
     with pytest.raises(ContractError, match=r"closes a user turn with ' \[/INST\]', not with a special token.*file source"):
         end_of_turn(tokenizer)
 
@@ -164,7 +144,7 @@ def test_screening_drops_duplicates_by_normalised_text_and_empty_short_and_unfin
 
 def test_the_same_seed_writes_the_same_file_and_another_seed_other_prompts(tmp_path):
     tokenizer = chatml_tokenizer()
-    model = tiny_llama(tokenizer)
+    model = llama_over(tokenizer)
     stats, first = synthesize(tmp_path, tokenizer, model, "first", topics=["python", "sums"])
     _, again = synthesize(tmp_path, tokenizer, model, "again", topics=["python", "sums"])
     _, other = synthesize(tmp_path, tokenizer, model, "other", topics=["python", "sums"], seed=1)
@@ -200,7 +180,7 @@ def kill_after_two_batches(monkeypatch, tmp_path, tokenizer, model, name, settin
 
 def test_a_run_killed_after_two_batches_resumes_to_what_one_uninterrupted_run_writes(tmp_path, monkeypatch):
     tokenizer = llama3_tokenizer()
-    model = tiny_llama(tokenizer)
+    model = llama_over(tokenizer)
     settings = {"count": 40, "max_samples": 40, "batch_size": 8, "min_chars": 1}  # five batches, short of the count
     _, whole = synthesize(tmp_path, tokenizer, model, "whole", **settings)
 
@@ -219,7 +199,7 @@ def test_progress_reads_a_partial_log_as_the_job_would_screen_it_without_touchin
     from eyrie.data.synthetic import progress
 
     tokenizer = chatml_tokenizer()
-    model = tiny_llama(tokenizer)
+    model = llama_over(tokenizer)
     settings = {"count": 40, "max_samples": 40, "batch_size": 8, "min_chars": 1, "topics": ["python", "sums"]}
     two_batches, _ = synthesize(tmp_path, tokenizer, model, "two", **{**settings, "count": 16, "max_samples": 16})
     log = kill_after_two_batches(monkeypatch, tmp_path, tokenizer, model, "killed", settings)
@@ -235,12 +215,12 @@ def test_progress_reads_a_partial_log_as_the_job_would_screen_it_without_touchin
 def test_no_usable_sample_stops_with_the_counts_and_what_to_change(tmp_path):
     tokenizer = chatml_tokenizer()
     with pytest.raises(InputFileError, match=r"datasets.syn.source.synthetic: the target wrote no usable prompt in 8 samples.*raise max_tokens"):
-        synthesize(tmp_path, tokenizer, tiny_llama(tokenizer), max_tokens=1, min_chars=1000, max_samples=8, count=1)
+        synthesize(tmp_path, tokenizer, llama_over(tokenizer), max_tokens=1, min_chars=1000, max_samples=8, count=1)
 
 
 def test_the_prompts_job_reads_a_synthetic_file_and_reports_how_it_was_made(tmp_path):
     tokenizer = chatml_tokenizer()
-    stats, made = synthesize(tmp_path, tokenizer, tiny_llama(tokenizer), count=6)
+    stats, made = synthesize(tmp_path, tokenizer, llama_over(tokenizer), count=6)
     spec = cfg.validate({"model": {"name": "m", "path": "model"},
                          "datasets": {"syn": {"source": {"synthetic": {"count": 6}}, "shards": 2, "heldout_fraction": 0.3}}})["datasets"]["syn"]
     out = tmp_path / "prompts"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import tiny_llama
 
 from eyrie.decoding.decode import greedy_decode, speculative_decode
 from eyrie.decoding.ngram import NgramDecoder, NgramSession, lookup, lookup_runs
@@ -14,7 +15,6 @@ from eyrie.target.chat_template import render
 MAX_NEW = 24
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?"]
 COPY_REQUEST = "Copy the following text exactly:\nThe cat sat on the mat. The dog sat on the log."
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 8, "max_position_embeddings": 256}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,19 +97,11 @@ def test_session_aux_layer_ids_are_valid_for_the_target():
 # --------------------------------------------------------------------------- decoding
 
 
-def tiny_llama(vocab_size: int, seed: int):
-    """A random float32 Llama small enough for seconds-long tests; a small vocabulary makes its output repeat."""
-    import transformers
-
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, vocab_size=vocab_size)).eval()
-
-
 @pytest.mark.parametrize("decoder", ["transformers", "static"])
 def test_ngram_is_lossless_on_tiny_random_targets(decoder):
     accepted = 0
     for vocab_size, seed in ((40, 0), (300, 1)):
-        model = tiny_llama(vocab_size, seed)
+        model = tiny_llama(vocab=vocab_size, seed=seed, positions=256)
         target = engine(model, decoder)
         generator = torch.Generator().manual_seed(seed)
         for prompt_length, stop_ids in ((5, set()), (30, {3, 7})):
@@ -164,7 +156,7 @@ def test_ngram_accepts_several_tokens_per_round_when_the_reply_copies_the_prompt
 
 def test_ngram_decoder_on_the_static_cache_rounds_exactly_like_the_session():
     """NgramDecoder's verify (static buffers, one replay per round on CUDA) against the host-driven rounds, across k and a growing cache."""
-    model = tiny_llama(40, 0)
+    model = tiny_llama(vocab=40, seed=0, positions=256)
     static = StaticLlama(model, capacity=64, cuda_graphs=False)
     decoder = NgramDecoder(static)
     generator = torch.Generator().manual_seed(2)
@@ -181,7 +173,7 @@ def test_ngram_decoder_on_the_static_cache_rounds_exactly_like_the_session():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_ngram_graph_replays_equal_eager_runs():
-    model = tiny_llama(40, 0).cuda()
+    model = tiny_llama(vocab=40, seed=0, positions=256).cuda()
     prompt = torch.randint(40, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     eager, graphed = StaticLlama(model, 64, cuda_graphs=False), StaticLlama(model, 64, cuda_graphs=True)
     for k in (1, 4):

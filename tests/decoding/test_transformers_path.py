@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from factories import llama_config
 
 from eyrie.decoding.transformers_path import Eagle3Chain, greedy_decode, speculative_decode
 from eyrie.drafter.model import DraftCache, DrafterShape, Eagle3Drafter
@@ -170,11 +171,8 @@ def test_stop_token_and_budget_are_respected_like_greedy(target, prompts, greedy
 
 def test_chain_extend_after_drafting_equals_decoding_from_scratch():
     """Cropping the drafts and extending with target features leaves the drafter's cache as if it never drafted."""
-    from transformers import LlamaConfig
-
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=8, vocab_size=300, max_position_embeddings=128)
+    config = llama_config(hidden=64, layers=8, vocab=300, intermediate=128, positions=128)
     shape = DrafterShape.from_target(config, 100, [1, 3, 4])
     drafter = Eagle3Drafter(shape, torch.randn(300, 64), torch.arange(100) * 2, torch.arange(300) % 2 == 0).eval()
     aux, ids = torch.randn(1, 9, 3 * 64), torch.randint(0, 300, (9,)).tolist()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import llama_config, tiny_drafter
 
 from eyrie.drafter.checkpoint import check_checkpoint, checkpoint_tensors, load_drafter, write_checkpoint
 from eyrie.drafter.model import DraftCache, DrafterShape, Eagle3Drafter
@@ -16,21 +17,9 @@ H, V, VD = 32, 120, 40
 
 
 def drafter(seed=0, **norms) -> Eagle3Drafter:
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=64,
-                         num_hidden_layers=8, vocab_size=V, max_position_embeddings=512)
-    shape = DrafterShape.from_target(config, VD, [1, 3, 4], **norms)
-    draft_ids = torch.arange(0, V, V // VD)[:VD]
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[draft_ids] = True
-    torch.manual_seed(seed)
-    model = Eagle3Drafter(shape, torch.randn(V, H), draft_ids - torch.arange(VD), t2d)
-    with torch.no_grad():  # norm weights away from 1, so that normalising twice or with the wrong weight shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
+    """Norm weights away from 1 (0.3 * noise), so that normalising twice or with the wrong weight shows."""
+    config = llama_config(hidden=H, layers=8, vocab=V, intermediate=64, positions=512, head_dim=H // 4)
+    return tiny_drafter(config, VD, seed=seed, norm_noise=0.3, **norms)
 
 
 def rms_norm(x, weight, eps):

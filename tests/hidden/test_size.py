@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from factories import tiny_llama
 
 from eyrie import config as cfg
-from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.cache import read_manifest
 from eyrie.hidden.extract import extract_shard
 from eyrie.hidden.size import (
@@ -31,6 +31,7 @@ from eyrie.hidden.size import (
     target_hidden_size,
     token_shard_counts,
 )
+from eyrie.tokens.shards import TOKENS_SCHEMA
 
 TEMPLATE = "t" * 64
 HIDDEN = 64
@@ -58,12 +59,7 @@ def write_token_shard(path, lengths, stats: bool = True, vocab: int = 128) -> No
 @pytest.fixture(scope="module")
 def tiny_target():
     """A random 8-layer Llama of width 64: extraction's real code path in well under a second."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(hidden=HIDDEN, layers=8, vocab=128, intermediate=128, positions=256)
 
 
 def extract(model, tokens_path, out_path, dtype):

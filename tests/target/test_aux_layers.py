@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from factories import tiny_llama
 from target.engine_sources import function_from, function_source, sglang_file, vllm_file
 
 from eyrie.config import validate
@@ -58,12 +59,7 @@ def test_ids_not_starting_at_1_warn_that_sglang_versions_disagree():
 @pytest.fixture(scope="module")
 def streams():
     """A tiny random Llama: output_hidden_states, and the residual stream entering / leaving every decoder layer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(hidden=32, layers=LAYERS, vocab=64, intermediate=64, positions=64)
     entering, leaving = {}, {}
     hooks = []
     for index, layer in enumerate(model.model.layers):

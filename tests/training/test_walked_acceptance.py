@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import tree_target
 
 from eyrie.decoding.decode import speculative_decode
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
@@ -73,16 +74,6 @@ def test_first_reply_is_each_rows_first_run_of_loss_positions():
     assert first_reply(mask).int().tolist() == [[0, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0] * 7, [0, 0, 1, 1, 1, 1, 1]]
 
 
-def tiny_target(seed: int = 0):
-    """A random float32 Llama with a vocabulary of 4: a random drafter's drafts then often hit."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                      num_hidden_layers=8, max_position_embeddings=256, vocab_size=4, initializer_range=0.2)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def random_drafter(model, seed: int = 1) -> Eagle3Drafter:
     torch.manual_seed(seed)
     V = model.config.vocab_size
@@ -100,7 +91,7 @@ def test_walked_length_equals_the_served_chain_on_the_same_tokens(k):
     """Decode with the served chain, then simulate on the decoded tokens (loss mask on the new ones, states as
     extraction computes them): rounds, tokens and so acceptance length agree exactly, while the per-position
     conditional form does not."""
-    model = tiny_target()
+    model = tree_target(vocab_size=4)  # a vocabulary of 4: a random drafter's drafts then often hit
     drafter = random_drafter(model)
     capture = capture_indices(list(drafter.shape.aux_layer_ids), model.config.num_hidden_layers)
     V = model.config.vocab_size
@@ -148,7 +139,7 @@ def test_the_first_turn_walk_of_a_two_turn_sample_is_the_walk_of_its_first_reply
     """A cached sample holds both replies of a conversation; the benchmark serves first turns. The first-turn rows
     count exactly what the first reply alone would (the target is causal and no round crosses a user turn), and
     the all-turn rows add the second reply's rounds."""
-    model = tiny_target()
+    model = tree_target(vocab_size=4)
     drafter = random_drafter(model)
     k = 3
     prompt = [1, 2, 3, 0, 0, 2]
@@ -194,7 +185,7 @@ def test_the_copy_slice_holds_the_round_starts_where_prompt_lookup_copies_and_st
 
 
 def test_the_copy_slice_reaches_the_summary_and_the_progress_line():
-    model = tiny_target()
+    model = tree_target(vocab_size=4)
     drafter = random_drafter(model)
     k = 3
     prompt = [1, 2, 3, 0, 0, 2, 1, 3]
@@ -227,7 +218,7 @@ def test_the_one_step_tree_walk_equals_the_served_tree_on_the_same_tokens(monkey
     from eyrie.decoding.decode import tree_decode
 
     monkeypatch.setattr(acceptance, "ONE_STEP_TREES", widths)  # the vocabulary of 4 leaves no room for 10 or 32: top 2 and 3
-    model = tiny_target()
+    model = tree_target(vocab_size=4)
     drafter = random_drafter(model)
     prompt = [1, 2, 3, 0, 0, 2]
     lengths = []
