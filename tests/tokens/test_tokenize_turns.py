@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
-import pyarrow.parquet  # noqa: F401  (pa.parquet)
+import pyarrow.parquet as pq
 import pytest
 from factories import THINKING_TEMPLATE, TOOLS_TEMPLATE, byte_tokenizer
 
@@ -117,7 +117,7 @@ def write_completions(path, records):
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 def test_the_token_shard_counts_per_turn_samples_and_warns_of_a_cut(tmp_path, template, capsys):
-    import pyarrow.parquet as pq
+
 
     tokenizer = byte_tokenizer(TEMPLATES[template])
     write_completions(tmp_path / "c.parquet", [{"id": "a", "messages": AGENTIC}])
@@ -144,8 +144,15 @@ def test_the_plan_line_shows_what_per_turn_samples_cost_the_cache(tmp_path):
         tokenize_shard(completions_path=str(tmp_path / "c.parquet"), out_path=str(tmp_path / f"{name}.parquet"),
                        tokenizer=byte_tokenizer(template), template_sha256="x", max_seq_len=10_000)
     assert per_turn_cost([tmp_path / "tools.parquet", tmp_path / "missing.parquet"]) is None  # a stable template costs nothing
-    stats = json.loads(pa.parquet.read_schema(tmp_path / "thinking.parquet").metadata[PARQUET_KEY])["stats"]
+    stats = json.loads(pq.read_schema(tmp_path / "thinking.parquet").metadata[PARQUET_KEY])["stats"]
     assert stats["per_turn_tokens"] > stats["per_turn_tokens_as_one_sample"] > 0  # contexts repeated per turn
     line = per_turn_cost([tmp_path / "thinking.parquet"])
     assert "3 from 1 conversations" in line and f"{stats['per_turn_tokens']:,} tokens in the cache" in line
     assert f"{stats['per_turn_tokens'] / stats['per_turn_tokens_as_one_sample']:.2f}x" in line
+
+
+def test_reasoning_and_tool_calls_a_template_does_not_render_are_counted():
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    record = tokenize_record(byte_tokenizer(chatml), AGENTIC, 10_000, TOOLS)
+    assert not record.per_turn and record.reasoning_dropped == 3 and record.tool_calls_dropped == 1

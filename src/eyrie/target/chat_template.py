@@ -170,6 +170,7 @@ class TokenizedRecord:
     per_turn: bool = False  # the template renders this history unstably: one sample per assistant turn
     unstable_turns: list[int] = field(default_factory=list)  # message indices of turns that could not be located
     reasoning_dropped: int = 0  # turns whose reasoning_content the template does not render (so it is not trained)
+    tool_calls_dropped: int = 0  # turns whose tool calls the template does not render
     one_sample_tokens: int = 0  # per turn: the tokens the whole conversation renders to, what one shared sample would hold
 
 
@@ -193,9 +194,17 @@ def _cut(ids: list[int], mask: list[int], max_len: int, turn: int | None = None)
     return TokenizedConversation(ids[:max_len], mask[:max_len], len(ids) > max_len, turn)
 
 
-def _reasoning_dropped(text: str, spans: list[tuple[int, int]], messages: list[dict]) -> int:
+def _not_rendered(text: str, spans: list[tuple[int, int]], messages: list[dict]) -> tuple[int, int]:
+    """Assistant turns whose reasoning, and whose tool calls (by function name), the template leaves out of their span."""
     turns = [m for m in messages if m["role"] == "assistant"]
-    return sum(1 for m, (a, b) in zip(turns, spans) if (m.get("reasoning_content") or "").strip() and m["reasoning_content"].strip() not in text[a:b])
+    reasoning = calls = 0
+    for message, (a, b) in zip(turns, spans):
+        thought = (message.get("reasoning_content") or "").strip()
+        reasoning += bool(thought) and thought not in text[a:b]
+        tool_calls = message.get("tool_calls")
+        tool_calls = json.loads(tool_calls) if isinstance(tool_calls, str) else tool_calls or []
+        calls += any(c["function"]["name"] not in text[a:b] for c in tool_calls)
+    return reasoning, calls
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, tools=None) -> TokenizedConversation:
@@ -211,7 +220,8 @@ def tokenize_record(tokenizer, messages: list[dict], max_len: int, tools=None) -
     if stable is not None:
         text, spans = stable
         ids, mask = _mask_spans(tokenizer, text, spans)
-        return TokenizedRecord([_cut(ids, mask, max_len)], reasoning_dropped=_reasoning_dropped(text, spans, messages))
+        reasoning, calls = _not_rendered(text, spans, messages)
+        return TokenizedRecord([_cut(ids, mask, max_len)], reasoning_dropped=reasoning, tool_calls_dropped=calls)
     whole = tokenizer(render(tokenizer, messages, False, tools), add_special_tokens=False)["input_ids"]
     record = TokenizedRecord([], per_turn=True, one_sample_tokens=len(whole))
     end_tokens = _end_of_turn_tokens(tokenizer)
@@ -229,7 +239,9 @@ def tokenize_record(tokenizer, messages: list[dict], max_len: int, tools=None) -
             record.unstable_turns.append(j)
             continue
         reply = after[len(context):end]
-        record.reasoning_dropped += _reasoning_dropped(after, [(len(context), end)], [message])
+        reasoning, calls = _not_rendered(after, [(len(context), end)], [message])
+        record.reasoning_dropped += reasoning
+        record.tool_calls_dropped += calls
         # The context tokenized on its own, as a server tokenizes the prompt it is sent; the turn after it.
         context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
         reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]

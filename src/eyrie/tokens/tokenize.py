@@ -41,7 +41,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             f"but the tokenizer's template is {template_sha256[:12]}; regenerate or point model.path at the same target"
         )
     rows, dropped, truncated = [], {}, 0
-    per_turn_records = turn_samples = unstable_turns = reasoning_dropped = per_turn_tokens = one_sample_tokens = 0
+    per_turn_records = turn_samples = unstable_turns = reasoning_dropped = calls_dropped = per_turn_tokens = one_sample_tokens = 0
     unstable_examples, cut_examples = [], []
     for record in completions.to_pylist():
         messages = answered_messages(record["messages"])
@@ -52,6 +52,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
         per_turn_records += tokenized.per_turn
         one_sample_tokens += tokenized.one_sample_tokens
         reasoning_dropped += tokenized.reasoning_dropped
+        calls_dropped += tokenized.tool_calls_dropped
         if tokenized.unstable_turns:
             unstable_turns += len(tokenized.unstable_turns)
             if len(unstable_examples) < MAX_EXAMPLES:
@@ -94,7 +95,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
         "tokens": sum(r["n_tokens"] for r in rows),
         "assistant_tokens": sum(r["n_assistant_tokens"] for r in rows),
     }
-    if per_turn_records or unstable_turns or reasoning_dropped:  # only then: a plain chat shard's stats stay as they were
+    if per_turn_records or unstable_turns or reasoning_dropped or calls_dropped:  # only then: a plain chat shard's stats stay as they were
         stats.update({
             "per_turn_records": per_turn_records,
             "turn_samples": turn_samples,
@@ -103,7 +104,9 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             "per_turn_tokens_as_one_sample": one_sample_tokens,
             "unstable_turns": unstable_turns,
             "unstable_examples": unstable_examples,
+            # turns whose reasoning or tool calls the chat template leaves out: not trained, so counted
             "reasoning_not_rendered": reasoning_dropped,
+            "tool_calls_not_rendered": calls_dropped,
         })
     metadata = {
         "dataset": source.get("dataset"),
