@@ -38,7 +38,7 @@ import torch
 from eyrie.bench.rounds import first_divergence
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.floor import FloorDecoder
-from eyrie.decoding.static import StaticLlama
+from eyrie.decoding.static import StaticLlama, open_engine
 from eyrie.decoding.static_common import needed_capacity
 from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
 
@@ -72,20 +72,52 @@ def random_drafter(model, k_vocab: int = 32000):  # the pipeline's draft vocabul
     return drafter.to(device=model.device, dtype=model.dtype).eval()
 
 
+def memory_floor_ms(model, device) -> float:
+    """The least one batch-1 token costs: reading its weights once (decoder and norm, routed experts at experts_per_token /
+    experts, the LM head) at the device's measured copy bandwidth (a 1 GiB device-to-device copy, read + write)."""
+    from extraction import active_matmul_params
+
+    a = torch.empty(2**30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    bandwidth = 2 * a.numel() / statistics.median(times)
+    weight_bytes = model.dtype.itemsize * (active_matmul_params(model) + model.get_output_embeddings().weight.numel())
+    return 1000 * weight_bytes / bandwidth
+
+
 def run(dtype_name: str, args) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**(SMALL if args.small else SMOLLM2))).to(device=device, dtype=dtype).eval()
+    if args.target:  # a real target's shape (extraction.py's configs), on the static engine that runs its family
+        from extraction import TARGETS, build_target
+
+        model = build_target(TARGETS[args.target], torch.device(device), dtype)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**(SMALL if args.small else SMOLLM2))).to(device=device, dtype=dtype).eval()
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     capacity = needed_capacity(len(prompt), args.tokens, args.drafter_k)
     graphs = device == "cuda"
     rows = []
 
     floor_tokens, floor_ms = None, float("nan")
-    if args.floor:
+    if args.target and type(model).__name__ != "LlamaForCausalLM":  # the fused floor is a Llama step: the memory floor instead
+        floor_ms = memory_floor_ms(model, device)
+        rows.append({"dtype": dtype_name, "decoder": "memory-floor", "ms_per_token": floor_ms, "ratio_to_floor": 1.0,
+                     "first_divergence_from_floor": None, "capture_failures": []})
+    elif args.floor:
         floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs)
         floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
         floor_tokens = floor_runs[0][0]
@@ -94,7 +126,8 @@ def run(dtype_name: str, args) -> list[dict]:
                      "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures})
 
     for compile in [True] if args.compiled_only else ([False, True] if args.compile else [False]):
-        engine = StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile)
+        engine = open_engine(model, capacity=capacity, cuda_graphs=graphs, compile=compile) if args.target else \
+            StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile)
         results = [greedy_decode(engine, prompt, args.tokens, set()) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
         # greedy_decode times the prefill too: subtract a prefill-only run's time
         prefill = statistics.median(greedy_decode(engine, prompt, 1, set()).seconds for _ in range(3))
@@ -133,6 +166,9 @@ def main() -> None:
     parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[],
                         metavar="S,K,N", help="also time tree rounds of these SGLang (steps, topk, draft tokens), e.g. 5,4,8 8,10,64")
     parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
+    parser.add_argument("--target", choices=["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b"],
+                        help="a real target's shape (random weights) on eyrie.decoding.static.open_engine; a non-Llama target "
+                             "is measured against the memory floor (memory_floor_ms), not the fused Llama floor")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants (CPU smoke test)")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (an engine-against-engine comparison)")
     parser.add_argument("--compiled-only", action="store_true", help="time only the compiled static decoder")
