@@ -22,8 +22,8 @@ import functools
 import torch
 
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static import StaticLlama, llama_reason
 from eyrie.decoding.static_common import round_up, span_for, spans_up_to
+from eyrie.decoding.static_llama import StaticLlama, llama_reason
 from eyrie.decoding.static_modules import StaticModules
 
 CHECK_EVERY = 16  # decode steps between host reads of "all rows finished"

@@ -152,7 +152,7 @@ class NgramDecoder:
 
     def __init__(self, target, aux_layer_ids: list[int] | None = None, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
         self.target, self.verifier = target, None
-        self.session = functools.partial(NgramSession, target.config.num_hidden_layers, aux_layer_ids, max_ngram, min_ngram)
+        self.session = functools.partial(NgramSession, target.config.get_text_config(decoder=True).num_hidden_layers, aux_layer_ids, max_ngram, min_ngram)
         self.session()  # refuse bad settings now, not at the first decode
 
     @torch.inference_mode()

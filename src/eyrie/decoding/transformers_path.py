@@ -118,7 +118,7 @@ class TransformersVerifier:
 
     def __init__(self, target, aux_layer_ids):
         self.target, self.cache = target, decode_cache(target)
-        self.capture = capture_indices(aux_layer_ids, target.config.num_hidden_layers)
+        self.capture = capture_indices(aux_layer_ids, target.config.get_text_config(decoder=True).num_hidden_layers)
 
     def _aux(self, out) -> torch.Tensor:  # (1, T, 3H): the fused features of every position of this forward
         return torch.cat([out.hidden_states[i] for i in self.capture], dim=-1)

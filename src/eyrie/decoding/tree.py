@@ -225,7 +225,7 @@ class TreeVerifier(TransformersVerifier):
         n = len(tree.tokens)
         visible = torch.cat([torch.ones(n, position, dtype=torch.bool), tree_mask(tree.parents)], dim=1)
         # Additive float mask: transformers passes a 4D mask through untouched, and eager and sdpa both add it.
-        additive = lambda seen: torch.zeros(1, 1, n, position + n, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min).to(device)  # noqa: E731
+        additive = lambda seen: torch.zeros(1, 1, n, position + n, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min).to(device)
         mask = additive(visible)
         config = self.target.config.get_text_config(decoder=True)
         window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
