@@ -31,7 +31,7 @@ import pytest
 from eyrie.core.errors import ConfigError
 from eyrie.generation.conversations import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable
-from eyrie.generation.partial import PartialLog
+from eyrie.generation.partial import PartialLog, logs_of
 from eyrie.generation.regenerate import regenerate_shard
 
 SETTINGS = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
@@ -73,8 +73,21 @@ def run_shard(workdir: Path, engine, settings=SETTINGS, fingerprint="fp") -> dic
     )
 
 
+class ShardLog(PartialLog):
+    """The shard's resume log, found again at each use: where a server answered, its name holds the served model's
+    identity (eyrie.generation.partial), known once a job has run."""
+
+    def __init__(self, workdir: Path, settings: dict, fingerprint: str):
+        self.folder, self.key = workdir / "partial", settings_key(settings, fingerprint)
+
+    @property
+    def path(self) -> Path:
+        logs = logs_of(self.folder, self.key)
+        return logs[0] if logs else self.folder / f"{self.key}.jsonl"
+
+
 def partial_log(workdir: Path, settings=SETTINGS, fingerprint="fp") -> PartialLog:
-    return PartialLog(workdir / "partial" / f"{settings_key(settings, fingerprint)}.jsonl")
+    return ShardLog(workdir, settings, fingerprint)
 
 
 def log_lines(log: PartialLog) -> list[dict]:
@@ -251,7 +264,9 @@ def engine_for(*urls, **kw) -> OpenAIEngine:
 LONG = "word " * 50
 
 
-def test_rejected_prompt_becomes_an_error_row_counted_and_ends_its_conversation(tmp_path, stubs):
+def test_a_prompt_over_the_servers_context_is_kept_as_prompt_too_long_and_ends_its_conversation(tmp_path, stubs):
+    """The named permanent refusal: the server's 400 saying the prompt is over its context is a prompt_too_long row
+    (what the local length check writes), kept on a rerun. Other rejections are failed turns (test_server_faults)."""
     stub = stubs("--context-words", "40")
     prompts = [
         ("ok", [{"role": "user", "content": "hello there"}, {"role": "user", "content": "and again"}]),
@@ -267,21 +282,21 @@ def test_rejected_prompt_becomes_an_error_row_counted_and_ends_its_conversation(
     assert records["ok"]["finish_reasons"] == ["stop", "stop"] and records["ok"]["n_turns"] == 2
     # Turn 2 was sent on the model's own first reply.
     assert records["ok"]["messages"][1] == {"role": "assistant", "content": "reply to hello there"}
-    assert records["first-too-long"]["finish_reasons"] == [ERROR] and records["first-too-long"]["n_turns"] == 0
+    assert records["first-too-long"]["finish_reasons"] == [PROMPT_TOO_LONG] and records["first-too-long"]["n_turns"] == 0
     assert [m["role"] for m in records["first-too-long"]["messages"]] == ["user"]  # the question stays, explained
-    assert records["second-too-long"]["finish_reasons"] == ["stop", ERROR] and records["second-too-long"]["n_turns"] == 1
-    assert stats["errors"] == 2 and stats["finish_reasons"][ERROR] == 2
-    assert "longer than the model's context length" in stats["error_examples"][0]["error"]
-    assert "HTTP 400" in stats["error_examples"][0]["error"]
+    assert records["second-too-long"]["finish_reasons"] == ["stop", PROMPT_TOO_LONG] and records["second-too-long"]["n_turns"] == 1
+    assert stats["errors"] == 0 and stats["finish_reasons"][PROMPT_TOO_LONG] == 2
+    rows = log_lines(partial_log(tmp_path))
+    refused = [r for r in rows if r["finish_reason"] == PROMPT_TOO_LONG]
+    assert len(refused) == 2 and all("HTTP 400" in r["error"] and "longer than the model's context length" in r["error"] for r in refused)
     assert stub.stats()["requests"] == 5  # "never asked" was never asked
     meta = json.loads(table.schema.metadata[b"eyrie"])
-    assert meta["stats"]["errors"] == 2 and meta["stats"]["run"]["engine"] == "openai"
+    assert meta["stats"]["run"]["engine"] == "openai" and meta["served"]["model"] == "stub-model"
 
-    # A rerun (here: the output removed) asks rejected turns again and reuses the rest.
+    # A rerun (here: the output removed) reuses every turn, the refusals too: nothing is asked again.
     (tmp_path / "c.parquet").unlink()
     stats = run_shard(tmp_path, engine_for(stub.url))
-    assert stats["resumed_turns"] == 3 and stats["errors"] == 2
-    assert stub.stats()["requests"] == 7
+    assert stats["resumed_turns"] == 5 and stub.stats()["requests"] == 5
 
 
 def test_local_prompt_check_matches_the_in_process_engine(tmp_path, stubs, tokenizer):

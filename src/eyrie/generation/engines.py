@@ -60,5 +60,6 @@ def open_engine(engine_config: dict, model_dir: str, model_settings: dict, threa
             openai,
             tokenizer=tokenizer if openai["local_prompt_check"] else None,
             base_urls=[url] if url else None,
+            model_dir=model_dir,  # what the servers must serve: checked before the first request
         )
         yield engine, tokenizer

@@ -3,14 +3,31 @@
 Many conversations are answered concurrently, each turn by turn (turn t+1 is sent only after
 turn t finished, on the model's own reply), with at most `max_in_flight` requests per server and
 every request sent to the least busy server. Connection errors, timeouts, 429 and 5xx are
-retried with exponential backoff and jitter (tenacity); when the retries run out the shard
-stops with a clear error and every finished turn stays in the partial log. A request the
-server rejects for good (another 4xx, e.g. a prompt over its context) becomes an error row
-(finish_reason "error", with the server's message) that ends its conversation.
+retried with exponential backoff and jitter (tenacity), waiting at least what a Retry-After
+header asks (seconds or an HTTP date) as long as the retry budget (the backoff schedule's
+longest total wait, `retry_budget_s`) allows; when the retries run out the shard stops with a
+clear error and every finished turn stays in the partial log.
+
+A reply is data only when it is one: a reply with no content (empty or null), no reasoning and
+no tool call is retried like a 5xx, and when it stays empty it is a failed turn. So is a request
+the server rejects (another 4xx): a failed turn is an error row (finish_reason "error", with the
+server's message), never trained on; it ends its conversation and is asked again on the next run
+(eyrie.generation.regenerate writes no shard while one is left, so Snakemake reruns the job).
+The one named permanent refusal is a prompt over the server's context (`PERMANENT_REFUSAL`):
+a prompt_too_long row, kept, as the in-process engine's own length check makes.
+
+Before the first request the engine identifies what it talks to (`identify`): every server must
+list the model it is asked for at /v1/models, and that model must be the target at model.path
+(by its name, or the path or root the server reports: vLLM's `root`, SGLang's /get_model_info);
+a name that matches no part of it is refused unless engine.openai.model names it, which is then
+taken as the user's word and said in the job log. The identity names the resume log
+(eyrie.generation.partial) and is recorded in the shard's metadata and the report.
 
 Rows reach the log through one writer task: rows finished while the previous write was being
 fsynced go out together in the next (group commit), so a kill loses only the requests in
 flight and the few milliseconds of rows not yet on disk, and fsync never stalls the requests.
+The first write that fails (disk full) stops the shard at once, naming the file and the error:
+no request is sent after it, since its reply could not be kept.
 
 Time is attributed to rows so that their `seconds` sum to the wall time during which at least
 one request was in flight (`BusyClock`): each finished row is booked the busy wall time since the
@@ -23,9 +40,14 @@ server is. A row's `seconds` is therefore not its request's cost; its `latency` 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
+import re
 import sys
 import time
+from email.utils import parsedate_to_datetime
+from pathlib import Path
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +65,14 @@ from eyrie.generation.conversations import (
     reply_fields,
     stable_seed,
 )
+from eyrie.generation.partial import PartialLogWriteError
 
 RETRY_STATUS = {408, 429}  # and every 5xx
 FATAL_STATUS = {401, 403, 404, 405}  # the configuration is wrong, not the prompt: stop, write no row
 ERROR_TEXT_CHARS = 1000
+# The named permanent refusal: a 4xx saying the prompt is over the context (SGLang, vLLM, OpenAI wordings; 413 by status).
+PERMANENT_REFUSAL = re.compile(r"context[ _]length|maximum context|context window|longer than the model|too many tokens|prompt is too long", re.I)
+REPLY_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")  # any of them non-empty: the reply says something
 
 
 class ServerUnavailable(EyrieError):
@@ -54,17 +80,55 @@ class ServerUnavailable(EyrieError):
 
 
 class _RetryableResponse(Exception):
-    def __init__(self, status: int, text: str):
-        super().__init__(f"HTTP {status}: {text[:300]}")
+    def __init__(self, status: int, text: str, retry_after: float | None = None):
+        super().__init__(f"HTTP {status}: {text[:300]}" + (f" (Retry-After {retry_after:.0f} s)" if retry_after is not None else ""))
         self.status = status
+        self.retry_after = retry_after
+
+
+class _EmptyReply(Exception):
+    """A 200 whose message has no content, no reasoning and no tool call: retried, then a failed turn."""
 
 
 class _Rejected(Exception):
-    """The server refused this request for good; it becomes an error row."""
+    """The server refused this request (or kept answering it with nothing); it becomes an error row."""
+
+
+class _TooLong(_Rejected):
+    """The server refused the prompt as longer than its context: a prompt_too_long row, kept."""
 
 
 def _retryable(error: BaseException) -> bool:
-    return isinstance(error, (httpx.TransportError, _RetryableResponse))
+    return isinstance(error, (httpx.TransportError, _RetryableResponse, _EmptyReply))
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header's wait: delta-seconds or an HTTP date (RFC 9110); None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def empty_reply(message) -> bool:
+    """Whether a chat completion's message says nothing: no content, no reasoning, no tool call (None, "" or [])."""
+    return not isinstance(message, dict) or not any(message.get(key) for key in REPLY_KEYS)
+
+
+def retry_budget_s(max_retries: int, backoff_s: float, backoff_max_s: float) -> float:
+    """The longest the backoff schedule waits over all retries (each wait capped at backoff_max_s, jitter included):
+    how long a Retry-After may hold a request in all."""
+    return sum(min(backoff_s * 2**i + backoff_s, backoff_max_s) for i in range(max_retries))
 
 
 @dataclass
@@ -143,6 +207,7 @@ class OpenAIEngine:
         health_timeout_s: float = 600.0,
         max_consecutive_errors: int = 32,
         tokenizer=None,
+        model_dir: str | Path | None = None,
     ):
         if not base_urls:
             raise ConfigError("engine.openai.base_urls: give at least one server URL (e.g. http://127.0.0.1:30000)")
@@ -157,13 +222,16 @@ class OpenAIEngine:
         self.health_timeout_s = health_timeout_s
         self.max_consecutive_errors = max_consecutive_errors
         self.tokenizer = tokenizer
+        self.model_dir = None if model_dir is None else Path(model_dir)  # model.path: what the server must serve
+        self.served: dict | None = None  # what identify() found
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIEngine({self.base_urls}, model={self.model!r}, max_in_flight={self.max_in_flight})"
 
     @classmethod
-    def from_config(cls, openai: dict, tokenizer=None, base_urls: list[str] | None = None) -> "OpenAIEngine":
-        """From the config's engine.openai section; base_urls overrides the configured ones (managed servers)."""
+    def from_config(cls, openai: dict, tokenizer=None, base_urls: list[str] | None = None, model_dir: str | Path | None = None) -> "OpenAIEngine":
+        """From the config's engine.openai section; base_urls overrides the configured ones (managed servers); model_dir
+        is the target (model.path) the servers must serve."""
         return cls(
             base_urls if base_urls is not None else list(openai["base_urls"]),
             model=openai["model"],
@@ -177,6 +245,7 @@ class OpenAIEngine:
             health_timeout_s=openai["health_timeout_s"],
             max_consecutive_errors=openai["max_consecutive_errors"],
             tokenizer=tokenizer,
+            model_dir=model_dir,
         )
 
     @staticmethod
@@ -194,11 +263,18 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ the shard
 
+    def identify(self) -> dict:
+        """What the servers serve, checked against model.path before any request (see the module's docstring):
+        {"engine", "model", "key", "servers": {url: what the server reports}}. `key` names the resume log."""
+        if self.served is None:
+            self.served = asyncio.run(self._with_servers(self._identify))
+        return self.served
+
     def regenerate(self, conversations: list[Conversation], settings: dict, log, progress) -> dict:
         """Answer every pending turn; rows go to `log` as they finish. Returns run facts for the shard's stats."""
-        return asyncio.run(self._regenerate(conversations, settings, log, progress))
+        return asyncio.run(self._with_servers(lambda servers: self._regenerate(servers, conversations, settings, log, progress)))
 
-    async def _regenerate(self, conversations, settings, log, progress) -> dict:
+    async def _with_servers(self, work):
         limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
         timeout = httpx.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s))
         servers = [
@@ -206,13 +282,71 @@ class OpenAIEngine:
             for url in self.base_urls
         ]
         try:
-            await self._wait_healthy(servers)
-            model = await self._resolve_model(servers[0])
-            run = _Run(self, servers, model, settings, log, progress)
-            return await run.all(conversations)
+            return await work(servers)
         finally:
             for server in servers:
                 await server.client.aclose()
+
+    async def _identify(self, servers: list[_Server]) -> dict:
+        await self._wait_healthy(servers)
+        model = await self._resolve_model(servers[0])
+        reports = {}
+        for server in servers:
+            if server is not servers[0]:
+                await self._resolve_model(server)  # every server must serve it, not only the first
+            reports[server.url] = await self._report(server, model)
+        self._check_target(model, reports)
+        identity = {"model": model, "reported": sorted({v for r in reports.values() for v in r.values() if isinstance(v, str)})}
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+        return {"engine": "openai", "model": model, "key": key, "servers": reports}
+
+    async def _regenerate(self, servers, conversations, settings, log, progress) -> dict:
+        identified = self.served
+        await self._wait_healthy(servers)
+        model = await self._resolve_model(servers[0])
+        if identified is not None and model != identified["model"]:
+            raise ConfigError(f"{servers[0].url} now serves {model!r}, not {identified['model']!r} as when the job started; rerun the job")
+        run = _Run(self, servers, model, settings, log, progress)
+        facts = await run.all(conversations)
+        if identified is not None:
+            facts["served"] = identified
+        return facts
+
+    async def _report(self, server: _Server, model: str) -> dict:
+        """What the server says of the model beside its name: vLLM's /v1/models `root` and `max_model_len`, SGLang's
+        /get_model_info `model_path`; nothing for a server that says nothing."""
+        report: dict = {}
+        try:
+            response = await server.client.get("/v1/models", timeout=min(10.0, self.timeout_s))
+            for entry in response.json().get("data", []) if response.status_code == 200 else []:
+                if isinstance(entry, dict) and entry.get("id") == model:
+                    report.update({k: entry[k] for k in ("root", "max_model_len") if entry.get(k) is not None})
+        except (httpx.TransportError, ValueError, AttributeError):
+            pass
+        try:
+            response = await server.client.get("/get_model_info", timeout=min(10.0, self.timeout_s))
+            info = response.json() if response.status_code == 200 else {}
+            if isinstance(info, dict) and isinstance(info.get("model_path"), str):
+                report["model_path"] = info["model_path"]
+        except (httpx.TransportError, ValueError):
+            pass
+        return report
+
+    def _check_target(self, model: str, reports: dict) -> None:
+        """The served model must be the target at model.path: by a path that is that directory, or by name."""
+        if self.model_dir is None:
+            return
+        claimed = [model] + [v for r in reports.values() for k, v in r.items() if k in ("root", "model_path")]
+        if any(_same_target(value, self.model_dir) for value in claimed):
+            return
+        said = f"{', '.join(self.base_urls)} serve {model!r}" + (f" ({'; '.join(f'{u}: {r}' for u, r in reports.items() if r)})" if any(reports.values()) else "")
+        if self.model is not None:  # the user named the served model: their word, said in the job log
+            print(f"openai engine: {said}, whose name is not that of model.path {self.model_dir}; engine.openai.model names it, so it is used as the target", file=sys.stderr)
+            return
+        raise ConfigError(
+            f"{said}, which is not the target at model.path {self.model_dir}: its replies would train a drafter for another model. "
+            "Serve model.path (or a copy of the same name), or set engine.openai.model to the served name if it is the same model"
+        )
 
     async def _wait_healthy(self, servers: list[_Server]) -> None:
         """Every server answers /health (or /v1/models) with 200 before anything is sent."""
@@ -266,6 +400,24 @@ class OpenAIEngine:
         return served[0]
 
 
+def _same_target(claimed: str, model_dir: Path) -> bool:
+    """Whether a served model's name or path is the target directory: the same directory on this machine, or the same
+    last path component (a hub id's name, a served path's folder) as the directory or its config's _name_or_path."""
+    try:
+        if Path(claimed).exists() and Path(claimed).resolve() == model_dir.resolve():
+            return True
+    except OSError:
+        pass
+    names = {model_dir.resolve().name.lower()}
+    try:
+        origin = json.loads((model_dir / "config.json").read_text()).get("_name_or_path")
+        if isinstance(origin, str) and origin:
+            names.add(origin.rstrip("/").rsplit("/", 1)[-1].lower())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return claimed.rstrip("/").rsplit("/", 1)[-1].lower() in names
+
+
 class _Run:
     """One shard's requests: workers, the writer task, retries, counters."""
 
@@ -280,6 +432,7 @@ class _Run:
         self.requests = 0
         self.consecutive_errors = 0
         self.rr = 0
+        self.write_error: BaseException | None = None  # the resume log's first failed write: nothing more is sent
 
     async def all(self, conversations: list[Conversation]) -> dict:
         started = time.perf_counter()
@@ -287,19 +440,25 @@ class _Run:
         writer = asyncio.create_task(self._writer())
         workers = [asyncio.create_task(self._worker(queue)) for _ in range(sum(s.capacity for s in self.servers))]
         try:
-            done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
+            running = set(workers)
+            while running:  # until every worker is done, the first to fail fails the shard
+                done, _ = await asyncio.wait(running | {writer}, return_when=asyncio.FIRST_COMPLETED)
+                if writer in done:  # it ends early only when a write failed
+                    raise self._write_failure()
+                running -= done
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
         finally:
             for task in workers:
                 task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
             self.closing = True
             self.rows_waiting.set()
-            await asyncio.shield(writer)  # every finished row reaches the disk, also when stopping on an error
+            # Every finished row reaches the disk, also when stopping on an error (unless writing is what failed).
+            await asyncio.gather(asyncio.shield(writer), return_exceptions=True)
+        if self.write_error is not None:
+            raise self._write_failure()
         return {
             "engine": "openai",
             "servers": [s.url for s in self.servers],
@@ -320,9 +479,22 @@ class _Run:
             self.rows_waiting.clear()
             rows, self.pending_rows = self.pending_rows, []
             if rows:
-                await asyncio.to_thread(self.log.append, rows)
+                try:
+                    await asyncio.to_thread(self.log.append, rows)
+                except BaseException as err:
+                    self.write_error = err
+                    raise
             if self.closing and not self.pending_rows:
                 return
+
+    def _write_failure(self) -> BaseException:
+        """The resume log's failed write as the shard's error: PartialLogWriteError names the file; anything else is
+        wrapped so that it does."""
+        error = self.write_error
+        if isinstance(error, PartialLogWriteError):
+            return error
+        return PartialLogWriteError(f"{getattr(self.log, 'path', self.log)}: cannot save finished turns to the resume log "
+                                    f"({type(error).__name__}: {error}); no more requests were sent. Rerun to go on")
 
     def _finish(self, conversation: Conversation, row: dict) -> None:
         conversation.answered.append(row)
@@ -334,12 +506,12 @@ class _Run:
     # ---------------------------------------------------------------- conversations
 
     async def _worker(self, queue: deque) -> None:
-        while queue:
+        while queue and self.write_error is None:
             await self._answer(queue.popleft())
 
     async def _answer(self, conversation: Conversation) -> None:
         settings = self.settings
-        while not conversation.ended:
+        while not conversation.ended and self.write_error is None:
             turn = len(conversation.answered)
             messages = conversation.messages(upto_turn=turn)
             local_tokens = None
@@ -365,6 +537,12 @@ class _Run:
             sent = time.perf_counter()
             try:
                 payload, attempts = await self._complete(body, f"{conversation.id} turn {turn}")
+            except _TooLong as refused:  # the named permanent refusal: kept, as the local length check's rows are
+                self.clock.end()
+                self.consecutive_errors = 0
+                row = make_row(conversation, turn, PROMPT_TOO_LONG, "", local_tokens or 0, 0, self.clock.book(), latency=time.perf_counter() - sent, error=str(refused))
+                self._finish(conversation, row)
+                return
             except _Rejected as rejected:
                 self.clock.end()
                 row = make_row(conversation, turn, ERROR, "", local_tokens or 0, 0, self.clock.book(), latency=time.perf_counter() - sent, error=str(rejected))
@@ -372,9 +550,9 @@ class _Run:
                 self._finish(conversation, row)
                 if self.consecutive_errors >= self.engine.max_consecutive_errors:
                     raise ServerUnavailable(
-                        f"the server rejected {self.consecutive_errors} requests in a row (last: {rejected}); "
-                        "this looks like a configuration problem, not bad prompts. Finished turns are kept; "
-                        "rejected turns are asked again on the next run."
+                        f"the server failed {self.consecutive_errors} requests in a row (rejected, or answered with nothing; last: {rejected}); "
+                        "this looks like a configuration or server problem, not bad prompts. Finished turns are kept; "
+                        "failed turns are asked again on the next run."
                     ) from None
                 return
             except BaseException:
@@ -415,24 +593,43 @@ class _Run:
 
     async def _complete(self, body: dict, what: str) -> tuple[dict, int]:
         engine = self.engine
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(engine.max_retries + 1),
-            wait=wait_exponential_jitter(multiplier=engine.backoff_s, max=engine.backoff_max_s, jitter=engine.backoff_s),
-            retry=retry_if_exception(_retryable),
-            before_sleep=self._before_retry(what),
-            reraise=True,
-        )
+        budget = retry_budget_s(engine.max_retries, engine.backoff_s, engine.backoff_max_s)
+        backoff = wait_exponential_jitter(multiplier=engine.backoff_s, max=engine.backoff_max_s, jitter=engine.backoff_s)
+        over_budget = []  # a Retry-After that the budget cannot wait for: said in the error
+
+        def wait(state: RetryCallState) -> float:
+            error = state.outcome.exception() if state.outcome else None
+            asked = getattr(error, "retry_after", None)
+            return backoff(state) if asked is None else max(backoff(state), asked)
+
+        def stop(state: RetryCallState) -> bool:
+            if stop_after_attempt(engine.max_retries + 1)(state):
+                return True
+            if state.idle_for + (state.upcoming_sleep or 0.0) > budget + 1e-9:
+                over_budget.append(state.upcoming_sleep)
+                return True
+            return False
+
+        retrying = AsyncRetrying(stop=stop, wait=wait, retry=retry_if_exception(_retryable), before_sleep=self._before_retry(what), reraise=True)
         attempts = 0
         first = time.monotonic()
         try:
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
-                    return await self._post(body), attempts
+                    payload = await self._post(body)
+                    message = _message(payload)  # an answer without one is malformed: _row stops the shard on it
+                    if message is not None and empty_reply(message):
+                        raise _EmptyReply(f"an empty reply (no content, reasoning or tool call): {json.dumps(payload)[:300]}")
+                    return payload, attempts
+        except _EmptyReply as err:
+            raise _Rejected(f"{err} on each of {attempts} attempts") from None
         except (httpx.TransportError, _RetryableResponse) as err:
+            budget_note = (f"; the server asked to wait {over_budget[0]:.0f} s more (Retry-After), past the retry budget of "
+                           f"{budget:.0f} s (engine.openai max_retries, backoff_s, backoff_max_s)") if over_budget else ""
             raise ServerUnavailable(
                 f"{what}: no answer after {attempts} attempts over {time.monotonic() - first:.0f} s "
-                f"(servers {', '.join(s.url for s in self.servers)}; last error {type(err).__name__}: {err}). "
+                f"(servers {', '.join(s.url for s in self.servers)}; last error {type(err).__name__}: {err}){budget_note}. "
                 "Finished turns are kept in the partial log; rerun to go on once the server is back."
             ) from None
         raise AssertionError("unreachable")
@@ -465,7 +662,18 @@ class _Run:
                 raise _RetryableResponse(status, f"not JSON ({err}): {response.text[:200]}") from None
         text = response.text[:ERROR_TEXT_CHARS]
         if status in RETRY_STATUS or status >= 500:
-            raise _RetryableResponse(status, text)
+            raise _RetryableResponse(status, text, retry_after_seconds(response.headers.get("retry-after")))
         if status in FATAL_STATUS:
             raise ConfigError(f"{server.url}/v1/chat/completions: HTTP {status}: {text[:300]} (check engine.openai base_urls, model and api_key_env)")
+        if status == 413 or PERMANENT_REFUSAL.search(text):
+            raise _TooLong(f"HTTP {status}: {text}")
         raise _Rejected(f"HTTP {status}: {text}")
+
+
+def _message(payload) -> dict | None:
+    """choices[0].message of a chat completion, or None where the answer has none."""
+    try:
+        message = payload["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return message if isinstance(message, dict) else None
