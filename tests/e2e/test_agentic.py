@@ -122,3 +122,28 @@ def test_agentic_records_train_every_assistant_turn_in_its_serving_context(tmp_p
             for tool_call in message.get("tool_calls") or []:
                 assert json.loads(tool_call["function"]["arguments"])["city"] in text
         assert text.count("<|im_end|>") == sum(m["role"] == "assistant" for m in source["messages"])
+
+
+def test_in_process_regeneration_answers_in_the_context_of_the_sources_tool_results(tmp_path, shared_resources):
+    """replies: target with the in-process engine: each turn is asked with the record's tools; the default target
+    writes no structured call, so the tool record ends before the source's results (counted), and the rest trains."""
+    model = target_with_template(shared_resources / "models" / MODEL_NAME, tmp_path / "target", THINKING_TEMPLATE)
+
+    def regenerated(config):
+        agentic_config(model)(config)
+        config["datasets"]["agentic"].update(replies="target", generation={"max_new_tokens": 12})
+
+    workdir = make_workdir(tmp_path / "regen", shared_resources, regenerated)
+    (workdir / "data" / "agentic.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    snakemake(workdir, "results/hidden/agentic/0000.safetensors")
+
+    completions = pq.read_table(workdir / "results/completions/agentic/0000.parquet")
+    stats = json.loads(completions.schema.metadata[b"eyrie"])["stats"]
+    assert stats["tool_calls_differ"] == 1
+    records = {r["id"]: r for r in completions.to_pylist()}
+    assert [m["role"] for m in records["weather"]["messages"]] == ["system", "user", "assistant"]  # ended before RESULT-1
+    assert json.loads(records["weather"]["tools"]) == TOOLS
+    assert [m["role"] for m in records["chat"]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert "ANSWER-C" not in records["chat"]["messages"][1]["content"]  # the target's own reply, not the source's
+    samples = pq.read_table(workdir / "results/tokens/agentic/0000.parquet").to_pylist()
+    assert samples and all(sum(s["loss_mask"]) > 0 for s in samples)
