@@ -243,3 +243,46 @@ def test_a_corrupt_prompt_shard_is_forced_through_the_summary_its_prompts_job_de
     flip_bytes(workspace / "results/tokens/d/0000.parquet")
     command = rebuild_command(verify_workspace(config, workspace))
     assert command.endswith("--forcerun results/prompts/d/summary.json results/tokens/d/0000.parquet")
+
+
+def test_failed_turns_are_listed_with_the_servers_words_and_the_command_that_asks_them_again(workspace, config, capsys):
+    """A shard whose turns the server failed is not written (eyrie.generation.regenerate); verify reads its resume log
+    (never writing it: the bytes stay) and says what failed and that the default command asks those turns again."""
+    from eyrie.generation.conversations import settings_key
+    from eyrie.generation.partial import PartialLog, log_path
+    from eyrie.target.model import model_fingerprint
+
+    (workspace / "model").mkdir()
+    (workspace / "model/config.json").write_text("{}")
+    (workspace / "results/completions/d/0001.parquet").unlink()
+    key = settings_key(cfg.generation_settings(config, "d"), model_fingerprint(workspace / "model"))
+    log = PartialLog(log_path(workspace / "results/partial/completions/d/0001", key, "abc123"))
+    row = {"user": "u", "prompt_tokens": 3, "completion_tokens": 0, "seconds": 0.1}
+    log.append([{**row, "id": "p1", "turn": 0, "reply": "fine", "finish_reason": "stop"},
+                {**row, "id": "p2", "turn": 0, "reply": "", "finish_reason": "error", "error": "HTTP 400: content filter said no"}])
+    with open(log.path, "ab") as f:
+        f.write(b'{"id": "p3", "tu')  # a job may be writing right now
+    before = log.path.read_bytes()
+    result = verify_workspace(config, workspace, workspace / "config.yaml")
+    assert log.path.read_bytes() == before
+    missing = {f.path: f for f in result.of(MISSING)}
+    assert "1 turn(s) failed at the server (first: p2 turn 0: HTTP 400: content filter said no)" in missing["results/completions/d/0001.parquet"].detail
+    assert cli.main(["verify", "-d", str(workspace)]) == 1
+    text = capsys.readouterr().out
+    assert "content filter said no" in text and "asks exactly these again" in text and "--forcerun" not in text
+
+
+def test_stray_temporary_files_under_results_are_listed_with_the_command_that_removes_them(workspace, config, capsys):
+    from eyrie.verify import STRAY, format_verification
+
+    stray = workspace / "results/hidden/d/.0001.safetensors.0123abcd.tmp"
+    stray.write_bytes(b"\0" * 4096)
+    (workspace / "results/hidden/d/.notes.txt").write_text("not ours")  # another hidden file: not a temporary
+    result = verify_workspace(config, workspace, workspace / "config.yaml")
+    assert [(f.state, f.path) for f in result.findings] == [(STRAY, "results/hidden/d/.0001.safetensors.0123abcd.tmp")]
+    assert "4,096 bytes" in result.findings[0].detail and rebuild_command(result) is None
+    text = format_verification(result)
+    assert "1 stray" in text and "rm -- results/hidden/d/.0001.safetensors.0123abcd.tmp" in text and "snakemake" not in text
+    (workspace / ".snakemake/locks").mkdir(parents=True)
+    (workspace / ".snakemake/locks/0.input.lock").write_text("")
+    assert "holds this directory's lock" in format_verification(verify_workspace(config, workspace, workspace / "config.yaml"))

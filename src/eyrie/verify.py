@@ -13,6 +13,13 @@ reads them. Each planned file (eyrie.plan.planned_outputs) is
   with the checksum Snakemake recorded for it reruns nothing), or completions made under other generation settings.
   Snakemake reruns these itself; listed so that the user knows before running it.
 
+- failed turns: a missing completions shard whose resume log holds turns the server failed (rejected, or answered
+  with nothing; eyrie.generation.regenerate writes no shard while one is left). The default target's rerun asks
+  exactly those again, reusing every saved turn; listed with the server's words.
+- stray: a temporary file a killed job left beside its output (`.<name>.<hex>.tmp`, eyrie.core.atomic) under
+  results/: it holds no result, only disk space. Listed with the command that removes them; while a Snakemake run
+  holds the directory's lock they may be its own, and the listing says to wait.
+
 What is made from a rebuilt file reruns after it (Snakemake's own rule), so the command names only the
 files above, not their consumers. Files of hidden.keep: false are expected to be gone once the drafter is
 trained. --quick reads only headers and footers (seconds for a whole workspace); the full check hashes every
@@ -25,6 +32,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +43,8 @@ from eyrie.core.digest import kind_of, verify_artifact
 from eyrie.core.errors import ArtifactError
 from eyrie.plan import Planned, planned_outputs
 
-MISSING, CORRUPT, STALE = "missing", "corrupt", "stale"
+MISSING, CORRUPT, STALE, STRAY = "missing", "corrupt", "stale", "stray"
+TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.(tmp|old)$")  # eyrie.core.atomic's temporaries beside an output
 # What each directory output's writer puts in it (eyrie.drafter.checkpoint, eyrie.drafter.speculators_export).
 DIRECTORY_FILES = {
     "results/drafter": {"config.json", "model.safetensors", "training_log.json"},
@@ -59,6 +68,7 @@ class Verification:
     config_path: Path
     checked: int  # planned files looked at (temporary ones already deleted are not counted)
     findings: list[Finding]
+    running: bool = False  # a Snakemake run holds the directory's lock
 
     @property
     def ok(self) -> bool:
@@ -151,11 +161,12 @@ def verify_workspace(config: dict, workdir: str | Path = ".", config_path: str |
     findings: list[Finding] = []
     present: dict[str, float] = {}
     checked = 0
+    failed = _failed_turns(config, workdir)
     for item in planned:
         path = workdir / item.path
         if not path.exists():
             if item.kept:
-                findings.append(Finding(MISSING, item.path, item.rule))
+                findings.append(Finding(MISSING, item.path, item.rule, failed.get(item.path, "")))
                 checked += 1
             continue  # a temporary cache shard: gone once the drafter is trained
         checked += 1
@@ -167,7 +178,48 @@ def verify_workspace(config: dict, workdir: str | Path = ".", config_path: str |
         stale = _stale(item, path, present, config, workdir)
         if stale:
             findings.append(Finding(STALE, item.path, item.rule, stale))
-    return Verification(workdir, Path(config_path), checked, findings)
+    findings += [Finding(STRAY, str(p.relative_to(workdir)), "", f"a killed job's temporary file, {p.stat().st_size:,} bytes")
+                 for p in stray_temporaries(workdir)]
+    return Verification(workdir, Path(config_path), checked, findings, running=_snakemake_running(workdir))
+
+
+def stray_temporaries(workdir: Path) -> list[Path]:
+    """Temporary files beside outputs under results/ (`.<name>.<hex>.tmp`): what a killed job leaves."""
+    results = workdir / "results"
+    return sorted(p for p in results.rglob(".*") if p.is_file() and TEMPORARY.match(p.name)) if results.is_dir() else []
+
+
+def _snakemake_running(workdir: Path) -> bool:
+    locks = workdir / ".snakemake" / "locks"
+    return locks.is_dir() and any(locks.iterdir())
+
+
+def _failed_turns(config: dict, workdir: Path) -> dict[str, str]:
+    """completions shard -> what its resume log says failed, for shards not written because turns failed."""
+    from eyrie.generation.conversations import ERROR, settings_key
+    from eyrie.generation.partial import PartialLog, logs_of
+    from eyrie.plan import model_dir
+
+    target = workdir / model_dir(config)
+    if not (target / "config.json").exists():
+        return {}
+    from eyrie.target.model import model_fingerprint
+
+    fingerprint = model_fingerprint(target)
+    found = {}
+    for dataset in sorted(config["datasets"]):
+        key = settings_key(cfg.generation_settings(config, dataset), fingerprint)
+        for shard in cfg.shard_names(config, dataset):
+            output = f"results/completions/{dataset}/{shard}.parquet"
+            logs = [] if (workdir / output).exists() else logs_of(workdir / f"results/partial/completions/{dataset}/{shard}", key)
+            if not logs:
+                continue
+            rows = [r for r in PartialLog(logs[0]).read().values() if r["finish_reason"] == ERROR]  # read only: a job may be writing
+            if rows:
+                first = rows[0]
+                found[output] = (f"{len(rows)} turn(s) failed at the server (first: {first['id']} turn {first['turn']}: "
+                                 f"{str(first.get('error', ''))[:160]}); the command below asks exactly these again, reusing every saved turn")
+    return found
 
 
 def _stale(item: Planned, path: Path, present: dict[str, float], config: dict, workdir: Path) -> str | None:
@@ -203,7 +255,7 @@ def _unchanged_since_made(workdir: Path, output: str, input_path: str) -> bool:
 
 def rebuild_command(result: Verification) -> str | None:
     """The one `snakemake` command that rebuilds exactly what is missing or corrupt (and what is made from it)."""
-    if result.ok:
+    if all(f.state == STRAY for f in result.findings):  # nothing to rebuild (stray files are removed, not rebuilt)
         return None
     command = ["snakemake"]
     if result.workdir.resolve() != Path.cwd().resolve():
@@ -220,14 +272,23 @@ def rebuild_command(result: Verification) -> str | None:
 
 
 def format_verification(result: Verification) -> str:
-    counts = ", ".join(f"{len(result.of(state))} {state}" for state in (MISSING, CORRUPT, STALE) if result.of(state))
+    counts = ", ".join(f"{len(result.of(state))} {state}" for state in (MISSING, CORRUPT, STALE, STRAY) if result.of(state))
     lines = [f"{result.workdir} against {result.config_path}: {result.checked} planned files checked, " + (counts or "all sound")]
     for finding in result.findings:
         detail = f": {finding.detail}" if finding.detail else ""
-        lines.append(f"  {finding.state:<8} {finding.path} ({finding.rule}){detail}")
+        rule = f" ({finding.rule})" if finding.rule else ""
+        lines.append(f"  {finding.state:<8} {finding.path}{rule}{detail}")
+    if result.running:
+        lines.append("A Snakemake run holds this directory's lock: files it is writing show as missing, and the commands "
+                     "below would stop at the lock. Run them once it has ended")
     command = rebuild_command(result)
     if command:
         lines += ["Rebuild them, and everything made from them:", f"  {command}"]
+    stray = result.of(STRAY)
+    if stray:
+        where = f"cd {shlex.quote(str(result.workdir))} && " if result.workdir.resolve() != Path.cwd().resolve() else ""
+        lines += ["Remove the temporary files (a rerun of their job writes its output anew):",
+                  f"  {where}rm -- {' '.join(shlex.quote(f.path) for f in stray)}"]
     return "\n".join(lines)
 
 
