@@ -2,8 +2,9 @@
 
 A token shard (``results/tokens/<dataset>/<shard>.parquet``, written by the extraction job before it
 extracts, or by the tokenize job with hidden.mode online; eyrie.tokens.tokenize) holds one row per
-conversation: ``input_ids`` and an assistant-only ``loss_mask`` of the same length, with the chat
-template's fingerprint in its ``eyrie`` metadata.
+conversation, or one per assistant turn (id ``<record id>#<message index>``) where the chat template
+renders its history unstably (eyrie.target.chat_template): ``input_ids`` and an assistant-only
+``loss_mask`` of the same length, with the chat template's fingerprint in its ``eyrie`` metadata.
 Extraction and the draft vocabulary read it through ``read_tokens`` (the content digest checked first,
 eyrie.core.digest) and ``shard_template``; a shard that cannot be read is an ArtifactError naming the
 file, the job that wrote it and the command that rebuilds it.
