@@ -264,10 +264,21 @@ def _completion_dataset(name: str, shards: list[dict], config: dict, warnings: l
         "settings_source": settings_source,
         "replies": settings.get("replies", "target"),
         "model_fingerprint": distinct(s["meta"].get("model_fingerprint") for s in shards),
+        "answered_by": distinct(answered_by(s["meta"]) for s in shards),
         "template_sha256": distinct(s["meta"].get("template_sha256") for s in shards),
         "templates_by_shard": {s["shard"]: s["meta"].get("template_sha256") for s in shards},
         "sample": _sample(shards),
     }
+
+
+def answered_by(meta: dict) -> str | None:
+    """What answered a completions shard: the engine, and for a server the model it served (eyrie.generation.openai_engine's
+    identity); a shard whose turns all came from its resume log says so."""
+    served = meta.get("served") or {}
+    engine = ((meta.get("stats") or {}).get("run") or {}).get("engine") or served.get("engine")
+    if served.get("model"):
+        return f"{engine or 'openai'}: {served['model']}"
+    return engine or ("resume log" if meta.get("stats") else None)
 
 
 def _completion_total(datasets: list[dict]) -> dict[str, Any]:
