@@ -24,6 +24,7 @@ import os
 import platform
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.bench.floor import floor_block
@@ -369,6 +370,40 @@ def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]], p
     return open_decoder(model, cfg["decoder"], capacity, compile=cfg["compile"])
 
 
+@dataclass
+class _Bench:
+    """What the benchmark's phases share: the loaded target and drafter, the encoded prompts and the decoder every
+    measurement runs on (decoder, fallback: its label and why the static one did not run)."""
+
+    name: str
+    cfg: dict
+    phases: Phases
+    model: object
+    tokenizer: object
+    drafter: object
+    drafter_label: str
+    template_sha256: str
+    drafter_dir: str | Path | None  # None: an in-memory drafter
+    gated: bool  # the parity gate applies (not a wheel benchmark)
+    sweep: list
+    encoded: list[tuple[str, list[int]]]
+    stop_ids: set[int]
+    served_prompts: list[dict]
+    engine: object
+    decoder: str
+    fallback: str | None
+
+
+@dataclass
+class _Measured:
+    """The timed decodes: a row per prompt for the drafter, per n-gram draft length and per sweep setting, and greedy's tokens."""
+
+    rows: list[dict]
+    ngram_rows_by_k: dict[int, list[dict]]
+    sweep_rows: list[list[dict]]
+    greedy_paths: dict[str, list[int]]
+
+
 def run_benchmark(
     *,
     target_dir,
@@ -382,15 +417,34 @@ def run_benchmark(
     trust_remote_code: bool = False,
 ) -> dict:
     """Benchmark the drafter (a directory or an Eagle3Drafter) on prompts ({id, messages}); write out_path and return it."""
-    import torch
-
-    from eyrie.decoding.ngram import NgramDecoder
-    from eyrie.target.chat_template import render
-
     cfg = with_defaults("bench", bench_cfg)
+    _check_request(benchmark_name, prompts, cfg)
+    bench = _prepare(target_dir, drafter_dir_or_model, prompts, benchmark_name, cfg, template_sha256_expected, device, trust_remote_code)
+    measured = _timed_decoding(bench)
+    summary = summarise(measured.rows, cfg["draft_tokens"])
+    served = _serve_parity_samples(bench)
+    floor = _floor(bench)
+    concurrency = _concurrency(bench)
+    check = _float32_verdict(bench, measured, summary, target_dir, drafter_dir_or_model, device, trust_remote_code)
+    result = _result(bench, measured, summary, floor, check, target_dir)
+    result["concurrency"] = concurrency  # B requests at once per bench.concurrency (eyrie.bench.concurrency), or off with the reason
+    _warn_of_differences(bench, measured, result, check)
+    failure = _judge(bench, measured, result, served, out_path)
+    _write_result(result, out_path, failure)
+    return result
+
+
+def _check_request(benchmark_name: str, prompts: list[dict], cfg: dict) -> None:
+    """What can be refused before any model loads: no prompts, a sweep setting SGLang could not serve."""
     if not prompts:
         raise BenchmarkError(f"{benchmark_name}: no prompts to benchmark (is the held-out share of this dataset empty?)")
-    check_sweep(cfg["sweep"])  # before any model loads
+    check_sweep(cfg["sweep"])
+
+
+def _prepare(target_dir, drafter_dir_or_model, prompts, benchmark_name, cfg, template_sha256_expected, device, trust_remote_code) -> _Bench:
+    """Load the target and drafter (their template checked), encode the prompts, check the drafter's logits, and open the decoder."""
+    from eyrie.target.chat_template import render
+
     phases = Phases(benchmark_name)
     with phases("load target and drafter"):
         model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
@@ -406,48 +460,106 @@ def run_benchmark(
     gated = benchmark_name not in WHEEL_BENCHMARKS
     served_prompts = parity_prompts(drafter_dir, cfg["draft_tokens"], cfg["max_parity_gap"], gated)
     engine, decoder, fallback = open_bench_decoder(model, cfg, encoded, served_prompts)
+    return _Bench(benchmark_name, cfg, phases, model, tokenizer, drafter, drafter_label, template_sha256, drafter_dir, gated, sweep, encoded,
+                  stop_ids_of(model, tokenizer), served_prompts, engine, decoder, fallback)
+
+
+def _timed_decoding(bench: _Bench) -> _Measured:
+    """Greedy, the drafter, n-gram and every sweep setting on each prompt, timed (measure); the decoder's label updated
+    when its graphs failed to capture."""
+    from eyrie.decoding.ngram import NgramDecoder
+
+    cfg, engine = bench.cfg, bench.engine
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
-    ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
+    ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(bench.drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
     greedy_paths = {}
     rows, ngram_rows_by_k, sweep_rows = measure(
-        engine, drafter, encoded, cfg["max_new_tokens"], stop_ids_of(model, tokenizer), cfg["draft_tokens"], ngram_decoder, sweep, greedy_paths,
-        cfg["sweep_prompts"], phases, cfg["ngram_draft_tokens"],
+        engine, bench.drafter, bench.encoded, cfg["max_new_tokens"], bench.stop_ids, cfg["draft_tokens"], ngram_decoder, bench.sweep, greedy_paths,
+        cfg["sweep_prompts"], bench.phases, cfg["ngram_draft_tokens"],
     )
-    if getattr(engine, "label", decoder) != decoder:  # graphs are captured on first use: a failed capture shows only now
-        decoder, fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
+    if getattr(engine, "label", bench.decoder) != bench.decoder:  # graphs are captured on first use: a failed capture shows only now
+        bench.decoder, bench.fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
+    return _Measured(rows, ngram_rows_by_k, sweep_rows, greedy_paths)
 
-    summary = summarise(rows, cfg["draft_tokens"])
-    served = None
-    if served_prompts:  # untimed: the parity gate's like-with-like measurement (eyrie.bench.parity)
-        with phases(f"parity ({len(served_prompts)} held-out cache samples)"):
-            served = serve_parity_samples(engine, drafter, served_prompts, cfg["draft_tokens"], stop_ids_of(model, tokenizer))
-    floor = None
-    if cfg["floor"] is True or (cfg["floor"] == "auto" and model.device.type == "cuda"):
-        with phases("floor"):
-            floor = floor_block(model, engine, *encoded[0], cfg["max_new_tokens"], compile=bool(getattr(engine, "compile", False)))
-    check = None
-    timing_dtype = str(model.dtype).removeprefix("torch.")
-    if model.dtype != torch.float32:  # timed in the serving dtype: losslessness is proved in float32 on the same prompts
-        with phases("float32 check"):
-            check = float32_check(target_dir, drafter_dir_or_model, encoded, cfg, stop_ids_of(model, tokenizer), device, trust_remote_code, sweep)
-        add_margins(model, rows, dict(encoded), greedy_paths)  # how near a tie greedy was where each chain decode parted
-        margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]
-        summary["agreement_in_timing_dtype"] = {"dtype": timing_dtype, "identical": sum(r["identical"] for r in rows), "checked": len(rows),
-                                                "largest_margin_at_divergence": max(margins, default=None)}
-        summary["lossless"] = not check["different"]  # the main chain's; the sweep block holds each setting's
-    ngram, ngram_rows = fastest_ngram(ngram_rows_by_k, summary["greedy_tokens_per_s"]) if ngram_rows_by_k else (None, [])
+
+def _serve_parity_samples(bench: _Bench) -> dict | None:
+    """Untimed: the parity gate's like-with-like measurement (eyrie.bench.parity), or None without samples."""
+    if not bench.served_prompts:
+        return None
+    with bench.phases(f"parity ({len(bench.served_prompts)} held-out cache samples)"):
+        return serve_parity_samples(bench.engine, bench.drafter, bench.served_prompts, bench.cfg["draft_tokens"], bench.stop_ids)
+
+
+def _floor(bench: _Bench) -> dict | None:
+    """Greedy against a minimal fused step on the same weights (bench.floor: true, or auto on CUDA), or None."""
+    cfg, model = bench.cfg, bench.model
+    if not (cfg["floor"] is True or (cfg["floor"] == "auto" and model.device.type == "cuda")):
+        return None
+    with bench.phases("floor"):
+        return floor_block(model, bench.engine, *bench.encoded[0], cfg["max_new_tokens"], compile=bool(getattr(bench.engine, "compile", False)))
+
+
+def _concurrency(bench: _Bench) -> dict:
+    """Batched greedy, chains and n-gram at each B of bench.concurrency (eyrie.bench.concurrency); off when the list is empty
+    or no static engine runs the target."""
+    from eyrie.bench.concurrency import concurrency_block
+    from eyrie.decoding.batched_greedy import open_batched_greedy
+
+    cfg = bench.cfg
+    if not cfg.get("concurrency"):
+        return concurrency_block(bench.model, None, bench.drafter, bench.encoded, cfg, bench.stop_ids)
+    if bench.decoder == "transformers":
+        return {"batches": sorted(set(cfg["concurrency"])), "off_reason": f"no static engine: {bench.fallback}", "per_batch": []}
+    pad_id = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else min(bench.stop_ids)
+    with bench.phases(f"concurrency (B = {', '.join(map(str, sorted(set(cfg['concurrency']))))})"):
+        # Eager for greedy and speculation alike: the batched rounds are not captured as graphs yet, and a graphed
+        # greedy beside eager rounds would measure launch overhead, not speculation.
+        engine = open_batched_greedy(bench.model, pad_id, bench.stop_ids, rows=max(cfg["concurrency"]), cuda_graphs=False)
+        return concurrency_block(bench.model, engine, bench.drafter, bench.encoded, cfg, bench.stop_ids, bench.sweep,
+                                 bench.drafter_dir if bench.drafter_dir is not None else None)
+
+
+def _float32_verdict(bench: _Bench, measured: _Measured, summary: dict, target_dir, drafter_dir_or_model, device, trust_remote_code) -> dict | None:
+    """Timed in the serving dtype: losslessness is proved in float32 on the same prompts (float32_check), and the summary
+    gains the agreement in the timing dtype; None when the timing ran in float32 already."""
+    import torch
+
+    model, rows = bench.model, measured.rows
+    if model.dtype == torch.float32:
+        return None
+    with bench.phases("float32 check"):
+        check = float32_check(target_dir, drafter_dir_or_model, bench.encoded, bench.cfg, bench.stop_ids, device, trust_remote_code, bench.sweep)
+    add_margins(model, rows, dict(bench.encoded), measured.greedy_paths)  # how near a tie greedy was where each chain decode parted
+    margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]
+    summary["agreement_in_timing_dtype"] = {"dtype": _timing_dtype(model), "identical": sum(r["identical"] for r in rows), "checked": len(rows),
+                                            "largest_margin_at_divergence": max(margins, default=None)}
+    summary["lossless"] = not check["different"]  # the main chain's; the sweep block holds each setting's
+    return check
+
+
+def _timing_dtype(model) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+def _result(bench: _Bench, measured: _Measured, summary: dict, floor: dict | None, check: dict | None, target_dir) -> dict:
+    """The benchmark's JSON: the summary, the fastest n-gram baseline, the sweep block and what ran where (parity comes later)."""
+    import torch
+
+    cfg, model, engine, rows = bench.cfg, bench.model, bench.engine, measured.rows
+    timing_dtype = _timing_dtype(model)
+    ngram, ngram_rows = fastest_ngram(measured.ngram_rows_by_k, summary["greedy_tokens_per_s"]) if measured.ngram_rows_by_k else (None, [])
     speedup_over_ngram = summary["spec_tokens_per_s"] / ngram["tokens_per_s"] if ngram else None
-    swept = sweep_block(sweep, sweep_rows, summary, cfg["draft_tokens"], ngram=ngram, speedup_over_ngram=speedup_over_ngram,
+    swept = sweep_block(bench.sweep, measured.sweep_rows, summary, cfg["draft_tokens"], ngram=ngram, speedup_over_ngram=speedup_over_ngram,
                         check=check, timing_dtype=timing_dtype, main_rows=rows, ngram_rows=ngram_rows)
     if swept is not None:
-        predict_settings([swept["main"], *swept["settings"]], drafter_dir)
-    result = {
-        "benchmark": benchmark_name,
+        predict_settings([swept["main"], *swept["settings"]], bench.drafter_dir)
+    return {
+        "benchmark": bench.name,
         **summary,
         "speedup_over_ngram": speedup_over_ngram,
         "draft_tokens": cfg["draft_tokens"],
-        "decoder": decoder,
-        "decoder_fallback_reason": fallback,
+        "decoder": bench.decoder,
+        "decoder_fallback_reason": bench.fallback,
         # A drafter piece that failed to compile ran eagerly (eyrie.decoding.static_drafter.StaticEagle3): slower, same tokens.
         "drafter_fusion_failure": next((e.fusion_failure for e in getattr(engine, "drafters", {}).values() if e.fusion_failure), None),
         "max_new_tokens": cfg["max_new_tokens"],
@@ -457,50 +569,64 @@ def run_benchmark(
         "hardware": hardware_description(model.device),
         "torch": torch.__version__,
         "target": str(target_dir),
-        "drafter": drafter_label,
-        "template_sha256": template_sha256,
+        "drafter": bench.drafter_label,
+        "template_sha256": bench.template_sha256,
         "error": None,
         "ngram": ngram,
-        "outside_draft_vocab": outside_draft_vocab(greedy_paths, drafter.t2d, tokenizer.decode),  # tokens no drafter step could propose
+        "outside_draft_vocab": outside_draft_vocab(measured.greedy_paths, bench.drafter.t2d, bench.tokenizer.decode),  # tokens no drafter step could propose
         "floor": floor,  # greedy against a minimal fused step on the same weights (bench.floor), or None
         "sweep": swept,
         "parity": None,
         "float32_check": check,
-        "phase_seconds": phases.seconds,  # where the job's wall time went
+        "phase_seconds": bench.phases.seconds,  # where the job's wall time went
         "per_prompt": rows,
     }
+
+
+def _warn_of_differences(bench: _Bench, measured: _Measured, result: dict, check: dict | None) -> None:
+    """A warning for each decoder whose output differs from greedy: in float32 when it was checked, else in the timing dtype."""
     if check is not None:
         for label, different in (("the drafter", check["different"]), *((f"sweep setting {s['label']}", s["different"]) for s in check["sweep"])):
             if different:
                 warnings.warn(
-                    f"{benchmark_name}: in float32 {label}'s output differs from greedy on {len(different)} prompt(s) "
+                    f"{bench.name}: in float32 {label}'s output differs from greedy on {len(different)} prompt(s) "
                     f"({', '.join(d['id'] for d in different[:5])}): that is a bug or an exact near-tie. Recorded as lossless: false."
                 )
-    else:
-        timed = [("speculative", rows), *((f"n-gram k = {k}", r) for k, r in ngram_rows_by_k.items()),
-                 *((f"sweep setting {s['label']}", s["per_prompt"]) for s in (swept or {}).get("settings", []))]
-        for label, decoded in timed:
-            different = [r["id"] for r in decoded if not r["identical"]]
-            if different:
-                warnings.warn(
-                    f"{benchmark_name}: {label} output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
-                    f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
-                )
-    mean = result["mean_acceptance_length"]
-    result["parity"] = parity(drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=gated, interval=measured_interval(rows),
-                              served=served, dataset=benchmark_name if gated else None)
-    failure = None
+        return
+    timed = [("speculative", measured.rows), *((f"n-gram k = {k}", r) for k, r in measured.ngram_rows_by_k.items()),
+             *((f"sweep setting {s['label']}", s["per_prompt"]) for s in (result["sweep"] or {}).get("settings", []))]
+    for label, decoded in timed:
+        different = [r["id"] for r in decoded if not r["identical"]]
+        if different:
+            warnings.warn(
+                f"{bench.name}: {label} output differs from greedy on {len(different)} prompt(s) ({', '.join(different[:5])}) "
+                f"in {result['dtype']}; in float32 that is a bug or an exact near-tie. Recorded as lossless: false."
+            )
+
+
+def _judge(bench: _Bench, measured: _Measured, result: dict, served: dict | None, out_path) -> type[BenchmarkError] | None:
+    """The parity block, and the error when the drafter is not engaged or misses its parity gate: recorded in the result,
+    the error class returned for _write_result to raise."""
+    cfg, mean = bench.cfg, result["mean_acceptance_length"]
+    result["parity"] = parity(bench.drafter_dir, mean, cfg["draft_tokens"], cfg["max_parity_gap"], gated=bench.gated,
+                              interval=measured_interval(measured.rows), served=served, dataset=bench.name if bench.gated else None)
     if mean is None or mean < cfg["min_acceptance_length"]:
-        result["error"], failure = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path), DrafterNotEngagedError
-    elif result["parity"]["error"]:
-        result["error"], failure = f"{benchmark_name}: {result['parity']['error']}", ParityGapError
-    write_json_atomically(out_path, result)  # first, so that a failing benchmark loses nothing it measured
+        result["error"] = not_engaged_message(mean, cfg["min_acceptance_length"], result["rounds"], out_path)
+        return DrafterNotEngagedError
+    if result["parity"]["error"]:
+        result["error"] = f"{bench.name}: {result['parity']['error']}"
+        return ParityGapError
+    return None
+
+
+def _write_result(result: dict, out_path, failure: type[BenchmarkError] | None) -> None:
+    """The JSON first, so that a failing benchmark loses nothing it measured; then the failure, its measurements kept."""
+    write_json_atomically(out_path, result)
     if failure is not None:
         # Snakemake deletes a failed job's declared output: keep the measurements beside it.
         kept = Path(out_path).with_name(Path(out_path).stem + ".failed.json")
         write_json_atomically(kept, result)
         raise failure(f"{result['error']} (measurements kept in {kept})")
-    return result
 
 
 def run_benchmark_job(*, benchmark: str, prompts_path, drafter_dir, target_dir, bench_cfg: dict, out_path, **kwargs) -> dict:

@@ -1,0 +1,159 @@
+"""The benchmark JSON's `concurrency` block: greedy, the drafter's chain(s) and prompt lookup decoding B requests at
+once (eyrie.decoding.batched_speculative) for each B of bench.concurrency, and the setting recommended per load.
+
+Per B: the first B prompts (repeated in order when there are fewer: `distinct_prompts` says how many were), mixed
+lengths as they come, decoded by batched greedy and by each setting on the same engine. Figures: output tok/s in total
+and per request (total / B), mean acceptance (tokens emitted per row-round, the bonus counted), speedup over batched
+greedy at that B, and losslessness: each row's tokens equal that row's greedy tokens, in float32 (timed in another
+dtype, the decodes run again on a float32 copy, as the batch-1 benchmark's float32 check does).
+
+The recommendation per B is the fastest lossless setting that beats greedy, else "no speculation", with its serving
+flags: SGLang's for a launch at that load, SGLang's adaptive tiers (--speculative-adaptive, candidate steps per batch
+size) for the chain, and vLLM's `num_speculative_tokens_per_batch_size` schedule for the chain (0 drafts where no chain
+beats greedy).
+Trees are not batched: EAGLE's maintainers advise no trees above batch 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+
+from eyrie.decoding.batched_speculative import BatchedSpeculative, trimmed
+from eyrie.target.serving import eagle3_flags
+
+NO_SPECULATION = "no speculation"
+WARMUP_TOKENS = 4
+OFF_REASON = "bench.concurrency is empty: batched decoding is off (on the CPU default it would add minutes to a 15-minute run)"
+
+
+def settings_of(draft_tokens: int, sweep: list, ngram: bool) -> list[dict]:
+    """{label, kind, draft_tokens}: the main chain, the sweep's chains (trees are batch-1 only), the n-gram at the main k."""
+    ks = [draft_tokens] + [s.steps for s in sweep if s.topk == 1 and s.draft_tokens == s.steps + 1]
+    chains = [{"label": f"chain {k}", "kind": "chain", "draft_tokens": k} for k in dict.fromkeys(ks)]
+    return chains + ([{"label": f"n-gram {draft_tokens}", "kind": "ngram", "draft_tokens": draft_tokens}] if ngram else [])
+
+
+def batch_prompts(encoded: list[tuple[str, list[int]]], batch: int) -> list[list[int]]:
+    return [encoded[i % len(encoded)][1] for i in range(batch)]
+
+
+def _decode(engine, drafter, setting: dict, prompts, max_new_tokens: int, stop_ids):
+    decoder = BatchedSpeculative(engine, drafter if setting["kind"] == "chain" else "ngram")
+    return decoder.generate(prompts, max_new_tokens, stop_ids, setting["draft_tokens"])
+
+
+def _greedy(engine, prompts, max_new_tokens: int, stop_ids):
+    import time
+
+    start = time.perf_counter()
+    rows = engine.generate(prompts, max_new_tokens)
+    return [trimmed(r, stop_ids) for r in rows], time.perf_counter() - start
+
+
+def measure_batch(engine, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids) -> tuple[dict, list[dict]]:
+    """(greedy's figures, each setting's) at B = len(prompts), each warmed up once untimed first."""
+    _greedy(engine, prompts, WARMUP_TOKENS, stop_ids)
+    greedy_tokens, greedy_seconds = _greedy(engine, prompts, max_new_tokens, stop_ids)
+    batch, total = len(prompts), sum(len(t) for t in greedy_tokens)
+    greedy = {"tokens_per_s": total / greedy_seconds, "per_request_tokens_per_s": total / greedy_seconds / batch, "new_tokens": total,
+              "seconds": greedy_seconds}
+    rows = []
+    for setting in settings:
+        _decode(engine, drafter, setting, prompts, WARMUP_TOKENS, stop_ids)
+        result = _decode(engine, drafter, setting, prompts, max_new_tokens, stop_ids)
+        produced = sum(len(t) for t in result.tokens)
+        row_rounds = sum(len(lengths) for lengths in result.acceptance_lengths)
+        emitted = sum(sum(lengths) for lengths in result.acceptance_lengths)
+        tokens_per_s = produced / result.seconds
+        rows.append({**setting, "tokens_per_s": tokens_per_s, "per_request_tokens_per_s": tokens_per_s / batch, "new_tokens": produced,
+                     "seconds": result.seconds, "rounds": result.rounds, "round_ms": 1000 * result.seconds / max(result.rounds, 1),
+                     "mean_acceptance_length": emitted / row_rounds if row_rounds else None,
+                     "speedup": tokens_per_s / greedy["tokens_per_s"],
+                     "identical_rows": sum(a == b for a, b in zip(result.tokens, greedy_tokens)), "rows": batch})
+    return greedy, rows
+
+
+def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids, pad_id: int) -> list[int]:
+    """Per setting: rows whose float32 tokens equal float32 batched greedy's (a float32 copy of the target and drafter)."""
+    from eyrie.decoding.batched_greedy import open_batched_greedy
+
+    model32, drafter32 = copy.deepcopy(model).float(), copy.deepcopy(drafter).float()
+    engine = open_batched_greedy(model32, pad_id, stop_ids, rows=len(prompts), cuda_graphs=False)
+    greedy, _ = _greedy(engine, prompts, max_new_tokens, stop_ids)
+    return [sum(a == b for a, b in zip(_decode(engine, drafter32, s, prompts, max_new_tokens, stop_ids).tokens, greedy)) for s in settings]
+
+
+def recommend(rows: list[dict]) -> dict | None:
+    """The fastest lossless setting that beats greedy (speedup > 1), or None: no speculation at this load."""
+    winners = [r for r in rows if r["lossless"] and r["speedup"] > 1.0]
+    return max(winners, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def sglang_flags(best: dict | None) -> str:
+    """SGLang's launch flags for one load (the drafter's path aside): an EAGLE-3 chain, NGRAM, or none."""
+    if best is None:
+        return ""
+    k = best["draft_tokens"]
+    if best["kind"] == "chain":
+        return shlex.join(eagle3_flags(k, 1, k + 1))
+    return shlex.join(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1)])
+
+
+def vllm_schedule(per_batch: list[dict]) -> list[list[int]] | None:
+    """vLLM's num_speculative_tokens_per_batch_size for the chain: [start, end, k] ranges, each measured B from itself to the
+    next one less one (the first from 1; vLLM carries the last past its end), k = the recommended chain's, 0 without one;
+    None when no load recommends a chain (serve without speculation)."""
+    if not any(p["recommended"] and p["recommended"]["kind"] == "chain" for p in per_batch):
+        return None
+    schedule = []
+    for index, entry in enumerate(per_batch):
+        best = entry["recommended"]
+        k = best["draft_tokens"] if best and best["kind"] == "chain" else 0
+        start = 1 if index == 0 else entry["batch"]
+        end = per_batch[index + 1]["batch"] - 1 if index + 1 < len(per_batch) else entry["batch"]
+        schedule.append([start, end, k])
+    return schedule
+
+
+def vllm_flags(schedule: list[list[int]] | None, drafter_dir: str = "<drafter>") -> str | None:
+    """`--speculative-config` for vLLM's batch-aware chain: num_speculative_tokens the schedule's largest k."""
+    if schedule is None:
+        return None
+    config = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": max(k for _, _, k in schedule),
+              "num_speculative_tokens_per_batch_size": schedule}
+    return shlex.join(["--speculative-config", json.dumps(config)])
+
+
+def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, sweep: list = (), drafter_dir=None) -> dict:
+    """The `concurrency` block: {batches, settings, per_batch [{batch, distinct_prompts, greedy, settings, recommended,
+    sglang_flags}], vllm_schedule, vllm_flags, off_reason, trees}. engine: a BatchedRows on `model` (open_batched_greedy)."""
+    import torch
+
+    batches = sorted(set(cfg.get("concurrency") or []))
+    block = {"batches": batches, "off_reason": None, "trees": "not batched: EAGLE's maintainers advise no trees above batch 1",
+             "lossless_dtype": "float32", "per_batch": [], "vllm_schedule": None, "vllm_flags": None}
+    if not batches:
+        block["off_reason"] = OFF_REASON
+        return block
+    settings = settings_of(cfg["draft_tokens"], sweep, cfg.get("ngram", True))
+    block["settings"] = [s["label"] for s in settings]
+    for batch in batches:
+        prompts = batch_prompts(encoded, batch)
+        greedy, rows = measure_batch(engine, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids)
+        if model.dtype == torch.float32:
+            identical = [r["identical_rows"] for r in rows]
+        else:
+            identical = float32_identical(model, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids, engine.pad_id)
+        for row, same in zip(rows, identical):
+            row["lossless"] = same == batch
+            row["float32_identical_rows"] = same
+        best = recommend(rows)
+        block["per_batch"].append({"batch": batch, "distinct_prompts": min(batch, len(encoded)), "greedy": greedy, "settings": rows,
+                                   "recommended": None if best is None else {k: best[k] for k in ("label", "kind", "draft_tokens", "speedup")},
+                                   "recommendation": NO_SPECULATION if best is None else best["label"],
+                                   "sglang_flags": sglang_flags(best)})
+    block["vllm_schedule"] = vllm_schedule(block["per_batch"])
+    block["vllm_flags"] = vllm_flags(block["vllm_schedule"], drafter_dir or "<drafter>")
+    return block

@@ -1,0 +1,81 @@
+"""The benchmark's concurrency block: its rows per B, the recommendation per load (or no speculation) and the serving
+flags, vLLM's batch-aware schedule checked by vLLM's own code."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from factories import random_drafter, tree_target
+from target.engine_sources import class_fields, function_from, sglang_file, vllm_file  # noqa: F401
+
+from eyrie.bench.concurrency import NO_SPECULATION, OFF_REASON, concurrency_block, recommend, vllm_flags, vllm_schedule
+from eyrie.decoding.batched_greedy import open_batched_greedy
+from eyrie.decoding.tree import TreeShape
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    """These decode token by token: see conftest.one_torch_thread."""
+
+
+def test_the_block_measures_each_batch_and_recommends(tmp_path):
+    import torch
+
+    model = tree_target(vocab_size=5, seed=3)
+    drafter = random_drafter(model, scale=0.3)
+    g = torch.Generator().manual_seed(0)
+    encoded = [(f"p{i}", torch.randint(0, 5, (n,), generator=g).tolist()) for i, n in enumerate([4, 9, 6])]
+    cfg = {"concurrency": [4, 1], "draft_tokens": 3, "max_new_tokens": 12, "ngram": True}
+    engine = open_batched_greedy(model, 0, set(), cuda_graphs=False)
+    block = concurrency_block(model, engine, drafter, encoded, cfg, set(), sweep=[TreeShape(2, 1, 3), TreeShape(2, 2, 4)])
+    assert block["batches"] == [1, 4] and block["off_reason"] is None
+    assert block["settings"] == ["chain 3", "chain 2", "n-gram 3"]  # the sweep's tree stays at batch 1
+    assert "no trees above batch 1" in block["trees"]
+    for entry, batch in zip(block["per_batch"], [1, 4]):
+        assert entry["batch"] == batch and entry["distinct_prompts"] == min(batch, 3)
+        assert entry["greedy"]["new_tokens"] == 12 * batch
+        for row in entry["settings"]:
+            assert row["rows"] == batch and row["new_tokens"] == 12 * batch
+            assert row["lossless"] and row["identical_rows"] == batch  # float32: each row is its greedy
+            assert row["speedup"] == pytest.approx(row["tokens_per_s"] / entry["greedy"]["tokens_per_s"])
+            assert row["per_request_tokens_per_s"] == pytest.approx(row["tokens_per_s"] / batch)
+            assert 1.0 <= row["mean_acceptance_length"] <= row["draft_tokens"] + 1
+        best = recommend(entry["settings"])
+        assert entry["recommendation"] == (NO_SPECULATION if best is None else best["label"])
+        assert (entry["sglang_flags"] == "") == (best is None)
+    json.dumps(block)  # the JSON holds it as is
+
+
+def test_off_by_default_with_the_reason():
+    block = concurrency_block(None, None, None, [], {"concurrency": [], "draft_tokens": 4, "max_new_tokens": 8}, set())
+    assert block["per_batch"] == [] and block["off_reason"] == OFF_REASON
+
+
+def row(label, kind, k, tokens_per_s, speedup, lossless=True):
+    return {"label": label, "kind": kind, "draft_tokens": k, "tokens_per_s": tokens_per_s, "speedup": speedup, "lossless": lossless}
+
+
+def test_the_recommendation_rule():
+    assert recommend([row("chain 4", "chain", 4, 90.0, 0.9), row("n-gram 4", "ngram", 4, 95.0, 0.95)]) is None  # nothing beats greedy
+    lossy = row("chain 4", "chain", 4, 300.0, 3.0, lossless=False)
+    assert recommend([lossy, row("chain 2", "chain", 2, 150.0, 1.5)])["label"] == "chain 2"  # never a lossy setting
+    assert recommend([row("chain 2", "chain", 2, 150.0, 1.5), row("n-gram 4", "ngram", 4, 160.0, 1.6)])["label"] == "n-gram 4"
+
+
+def test_vllm_schedule_is_read_by_vllms_own_code():
+    per_batch = [{"batch": 1, "recommended": {"kind": "chain", "draft_tokens": 4}}, {"batch": 4, "recommended": {"kind": "chain", "draft_tokens": 2}},
+                 {"batch": 16, "recommended": {"kind": "ngram", "draft_tokens": 4}}, {"batch": 64, "recommended": None}]
+    schedule = vllm_schedule(per_batch)
+    assert schedule == [[1, 3, 4], [4, 15, 2], [16, 63, 0], [64, 64, 0]]
+    source = vllm_file("v1/spec_decode/dynamic/utils.py")
+    validate = function_from(source, "validate_and_normalize_dynamic_sd_schedule", DynamicSDSchedule=list)
+    lookup = function_from(source, "build_dynamic_sd_schedule_lookup", validate_and_normalize_dynamic_sd_schedule=validate)
+    dense = lookup(schedule, 128, 4)
+    assert [dense[b] for b in (1, 3, 4, 15, 16, 64, 128)] == [4, 4, 2, 2, 0, 0, 0]  # vLLM carries the last k past 64
+    flags = shlex.split(vllm_flags(schedule, "/drafters/d"))
+    config = json.loads(flags[flags.index("--speculative-config") + 1])
+    assert set(config) <= set(class_fields(vllm_file("config/speculative.py"), "SpeculativeConfig"))
+    assert config["num_speculative_tokens"] == 4
+    assert vllm_schedule([{"batch": 1, "recommended": None}]) is None  # no chain anywhere: serve without speculation
