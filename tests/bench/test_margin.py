@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from decoding.test_tree import tiny_target
+from factories import tree_target
 
 from eyrie.bench.margin import add_margins, top2_margin
 
 
 def test_margin_is_greedys_top2_gap_at_the_parting_token():
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     prompt, greedy = [5, 9, 2, 7], [11, 40, 3, 8]
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + greedy[:2]])).logits[0, -1]
@@ -19,7 +19,7 @@ def test_margin_is_greedys_top2_gap_at_the_parting_token():
 
 
 def test_rows_that_did_not_part_get_no_margin():
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     rows = [{"id": "a", "first_divergence": None}, {"id": "b", "first_divergence": 1}]
     add_margins(model, rows, {"a": [1, 2], "b": [3, 4]}, {"a": [7, 8], "b": [9, 10]})
     assert rows[0]["margin_at_divergence"] is None and rows[1]["margin_at_divergence"] > 0

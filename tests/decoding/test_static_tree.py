@@ -6,8 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from decoding.test_static import tiny_drafter, tiny_model
-from decoding.test_tree import SHAPES, check_result, random_drafter, tiny_target
+from factories import TREE_SHAPES, check_tree_result, random_drafter, six_layer_target, tree_target, wide_drafter
 
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.graphs import cuda_graphs_usable
@@ -15,7 +14,7 @@ from eyrie.decoding.static import StaticLlama
 from eyrie.decoding.static_tree import StaticTree
 from eyrie.decoding.tree import TreeShape, tree_speculative_decode
 
-ALL_SHAPES = SHAPES + [(1, 3, 3), (2, 2, 7), (6, 8, 32)]
+ALL_SHAPES = TREE_SHAPES + [(1, 3, 3), (2, 2, 7), (6, 8, 32)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,14 +28,14 @@ def test_static_trees_equal_the_reference_round_by_round(steps, topk, draft_toke
     for vocab_size, draft_vocab_size in ((5, None), (300, 100)):
         if topk > vocab_size:
             continue  # top-K of a 5-token vocabulary
-        model = tiny_target(vocab_size)
+        model = tree_target(vocab_size)
         drafter = random_drafter(model, draft_vocab_size, scale=0.2)
         engine = StaticLlama(model, capacity=64, cuda_graphs=False)
         prompt = torch.randint(0, vocab_size, (12,), generator=torch.Generator().manual_seed(4)).tolist()
         expected = greedy_decode(model, prompt, 50, set()).tokens
         reference = tree_speculative_decode(model, drafter, prompt, 50, set(), steps, topk, draft_tokens)
         static = tree_decode(engine, drafter, prompt, 50, set(), steps, topk, draft_tokens)
-        check_result(static, expected, steps)
+        check_tree_result(static, expected, steps)
         assert static.acceptance_lengths == reference.acceptance_lengths
         assert static.accepted_per_position == reference.accepted_per_position
         if vocab_size == 5 and draft_tokens > 3:
@@ -53,7 +52,7 @@ def test_the_top_k_ways_cuda_takes_draft_the_same_trees(steps, topk, draft_token
     import eyrie.decoding.static_drafter as static_drafter
     from eyrie.decoding.topk import ranked_top_k
 
-    model = tiny_target(300)
+    model = tree_target(300)
     drafter = random_drafter(model, 100, scale=0.2)
     prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     reference = tree_speculative_decode(model, drafter, prompt, 40, set(), steps, topk, draft_tokens)
@@ -72,7 +71,7 @@ def test_the_top_k_ways_cuda_takes_draft_the_same_trees(steps, topk, draft_token
 
 def test_accepted_paths_leave_the_first_branch():
     """A shape where the accepted node is often not the first child: the K/V gather moves non-contiguous rows."""
-    model = tiny_target(vocab_size=5)
+    model = tree_target(vocab_size=5)
     drafter = random_drafter(model, scale=0.2)
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -89,8 +88,8 @@ def test_a_chain_setting_runs_on_the_chain_rounds_which_draft_what_a_one_wide_tr
     """(S, 1, S + 1) is a chain of S: tree_decode runs it on the chain's rounds (fused, fewer kernels per step). The
     tree's own rounds with K = 1 and the host-built reference give the same tokens and accepted lengths, so the
     routing changes the speed only."""
-    model = tiny_model("llama", vocab_size=5, initializer_range=0.2)
-    drafter = tiny_drafter(model)
+    model = six_layer_target("llama", vocab_size=5, initializer_range=0.2)
+    drafter = wide_drafter(model)
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     eagle = engine.drafter_for(drafter)
@@ -123,7 +122,7 @@ def test_compiled_tree_rounds_fuse_the_drafters_steps_and_decode_like_eager_roun
     scores, sort), the selection, the target's head and the accept with the next round's buffers; the tokens and
     accepted lengths are the eager rounds'. Five tokens, so that a random drafter's drafts are accepted: the
     accept's next-round buffers decide what later rounds accept (an extend started late accepted less, losslessly)."""
-    model = tiny_target(vocab_size=5)
+    model = tree_target(vocab_size=5)
     drafter = normed_drafter(model)
     prompt = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(11)).tolist()
     steps, topk, draft_tokens = 3, 2, 6
@@ -150,7 +149,7 @@ def test_a_longer_attention_span_compiles_nothing_new():
     With a piece per span, warm-up took ~100 s per benchmark job on an H200."""
     import torch._dynamo
 
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     drafter = random_drafter(model, 100, scale=0.2)
     engine = StaticLlama(model, capacity=600, cuda_graphs=False, compile=True)
     short = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -173,7 +172,7 @@ def test_a_longer_attention_span_compiles_nothing_new():
 
 def test_stops_budget_spans_and_capacity_growth():
     """Stop tokens and budgets as greedy; a decode longer than the smallest span and a cache that grows mid-run."""
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     drafter = random_drafter(model, 100, scale=0.2)
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     prompt = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -189,7 +188,7 @@ def test_stops_budget_spans_and_capacity_growth():
 
 
 def test_drafter_doubles_are_refused_with_the_reference_named():
-    model = tiny_target(vocab_size=5)
+    model = tree_target(vocab_size=5)
     engine = StaticLlama(model, capacity=64, cuda_graphs=False)
     with pytest.raises(TypeError, match="tree_speculative_decode"):
         tree_decode(engine, object(), [1, 2, 3], 5, set(), 2, 2, 4)
@@ -206,13 +205,13 @@ def test_trees_on_the_default_target_are_lossless(target):
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     stop = {tokenizer.eos_token_id}
     expected = greedy_decode(model, prompt, 16, stop).tokens
-    check_result(tree_decode(engine, drafter, prompt, 16, stop, 5, 4, 8), expected, 5)
+    check_tree_result(tree_decode(engine, drafter, prompt, 16, stop, 5, 4, 8), expected, 5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not cuda_graphs_usable(torch.device("cuda")), reason="needs CUDA for graph capture")
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_tree_rounds_equal_eager_rounds(compile):
-    model = tiny_target(vocab_size=300).cuda()
+    model = tree_target(vocab_size=300).cuda()
     drafter = random_drafter(model.cpu(), 100, scale=0.2).cuda()
     model = model.cuda()
     prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -246,7 +245,7 @@ def normed_drafter(model, scale: float = 0.2):
 def test_eagle31_norms_decode_alike_on_every_path(compile):
     """A drafter with norm_before_fc and norm_output: the static chain and tree, eager and in compiled pieces (as the
     GPU config serves it since the norms were kept), equal transformers' chain and tree."""
-    model = tiny_target(vocab_size=5)
+    model = tree_target(vocab_size=5)
     drafter = normed_drafter(model)
     engine = StaticLlama(model, capacity=256, cuda_graphs=False, compile=compile)
     ran, eagle = Counter(), engine.drafter_for(drafter)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 import torch
+from factories import TREE_SHAPES, check_tree_result, random_drafter, tree_target
 
 from eyrie.decoding.transformers_path import Eagle3Chain, cache_keyword, greedy_decode, speculative_decode
 from eyrie.decoding.tree import (
@@ -21,44 +21,13 @@ from eyrie.decoding.tree import (
     tree_mask,
     tree_speculative_decode,
 )
-from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 from eyrie.target.aux_layers import default_aux_layer_ids
 from eyrie.target.chat_template import render
-
-SHAPES = [(3, 2, 4), (5, 4, 8), (4, 3, 10)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread(one_torch_thread):
     """These decode token by token: see conftest.one_torch_thread."""
-
-
-def tiny_target(vocab_size: int = 5, seed: int = 0):
-    """A random float32 Llama; a vocabulary of 5 makes a random drafter's trees often hold the target's token."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                      num_hidden_layers=8, max_position_embeddings=256, vocab_size=vocab_size, initializer_range=0.2)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def random_drafter(model, draft_vocab_size: int | None = None, scale: float | None = None, seed: int = 1) -> Eagle3Drafter:
-    """Random EAGLE-3 drafter over a random part of the target's vocabulary (the whole of it by default)."""
-    torch.manual_seed(seed)
-    vocab = model.config.vocab_size
-    draft_vocab_size = draft_vocab_size or vocab
-    kept = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
-    target_to_draft = torch.zeros(vocab, dtype=torch.bool)
-    target_to_draft[kept] = True
-    shape = DrafterShape.from_target(model.config, draft_vocab_size, default_aux_layer_ids(model.config.num_hidden_layers))
-    drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab_size), target_to_draft)
-    if scale:  # wide weights: sharper draft distributions, so the tree's order means something
-        with torch.no_grad():
-            for weight in drafter.parameters():
-                if weight.dim() == 2:
-                    weight.normal_(0, scale)
-    return drafter.eval()
 
 
 class ScriptedTree:
@@ -97,15 +66,6 @@ class ScriptedTree:
 def scripted(model, prompt, continuation, rank=lambda index: 0):
     layers = default_aux_layer_ids(model.config.num_hidden_layers)
     return ScriptedTree(layers, list(prompt) + list(continuation), model.config.vocab_size, rank)
-
-
-def check_result(result, expected, steps):
-    assert result.tokens == expected
-    assert result.target_forwards == result.rounds + 1
-    assert sum(result.acceptance_lengths) == len(result.tokens) - 1  # the prefill's token is not a round's
-    assert all(1 <= length <= steps + 1 for length in result.acceptance_lengths)
-    per_depth = result.accepted_per_position
-    assert len(per_depth) == steps and all(a >= b for a, b in itertools.pairwise(per_depth))  # depth d needs d - 1
 
 
 # --------------------------------------------------------------------------- the tree itself
@@ -176,9 +136,9 @@ def test_tree_mask_hand_checked():
     assert accept_path(tree, [5, 0, 0, 0, 0, 0]) == []
 
 
-@pytest.mark.parametrize("steps, topk, draft_tokens", SHAPES + [(2, 2, 7)])
+@pytest.mark.parametrize("steps, topk, draft_tokens", TREE_SHAPES + [(2, 2, 7)])
 def test_drafted_trees_are_ancestor_closed_with_n_minus_1_nodes(steps, topk, draft_tokens):
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     session = Eagle3Tree(random_drafter(model, draft_vocab_size=100, scale=0.3))
     shape = TreeShape(steps, topk, draft_tokens)
     with torch.inference_mode():
@@ -198,7 +158,7 @@ def test_drafted_trees_are_ancestor_closed_with_n_minus_1_nodes(steps, topk, dra
 
 def test_drafter_tree_nodes_equal_the_chain_decoding_of_their_path():
     """Each frontier node, run with the tree mask, is what the drafter gives decoding its own path as a chain."""
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     drafter = random_drafter(model, draft_vocab_size=100)  # default init: outputs of order 1, so 1e-5 is rounding
     aux, ids = torch.randn(1, 7, 3 * 64), torch.randint(0, 300, (7,)).tolist()
     with torch.inference_mode():
@@ -217,7 +177,7 @@ def test_drafter_tree_nodes_equal_the_chain_decoding_of_their_path():
 
 def test_topk_1_tree_is_the_chain():
     """K = 1, N = S + 1: the same drafts as Eagle3Chain.draft(S), the same tokens and acceptance as the chain decoder."""
-    model = tiny_target()
+    model = tree_target()
     drafter = random_drafter(model, scale=0.2)
     aux, ids = torch.randn(1, 6, 3 * 64), torch.randint(0, 5, (6,)).tolist()
     with torch.inference_mode():
@@ -239,7 +199,7 @@ def test_topk_1_tree_is_the_chain():
 
 
 def test_tree_verify_equals_a_causal_forward_of_each_path_and_keeps_only_the_accepted_one():
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     prompt = torch.randint(0, 300, (10,)).tolist()
     tree = VerifyTree([5, 17, 23, 40, 41, 42], [-1, 0, 0, 1, 1, 2], [0, 1, 1, 2, 2, 2])
     with torch.inference_mode():
@@ -262,30 +222,30 @@ def test_tree_verify_equals_a_causal_forward_of_each_path_and_keeps_only_the_acc
 # --------------------------------------------------------------------------- lossless decoding, tiny targets
 
 
-@pytest.mark.parametrize("steps, topk, draft_tokens", SHAPES)
+@pytest.mark.parametrize("steps, topk, draft_tokens", TREE_SHAPES)
 def test_random_eagle3_drafter_trees_are_lossless_on_tiny_targets(steps, topk, draft_tokens):
     for vocab_size, draft_vocab_size in ((5, None), (300, 100)):
-        model = tiny_target(vocab_size)
+        model = tree_target(vocab_size)
         drafter = random_drafter(model, draft_vocab_size, scale=0.2)
         prompt = torch.randint(0, vocab_size, (12,), generator=torch.Generator().manual_seed(4)).tolist()
         expected = greedy_decode(model, prompt, 50, set()).tokens
         result = tree_speculative_decode(model, drafter, prompt, 50, set(), steps, topk, draft_tokens)
-        check_result(result, expected, steps)
+        check_tree_result(result, expected, steps)
         if vocab_size == 5:
             assert max(result.acceptance_lengths) >= 3  # trees over a tiny vocabulary do get accepted
 
 
-@pytest.mark.parametrize("steps, topk, draft_tokens", SHAPES)
+@pytest.mark.parametrize("steps, topk, draft_tokens", TREE_SHAPES)
 def test_partly_right_drafter_accepts_off_the_first_branch_and_stays_lossless(steps, topk, draft_tokens):
     """The target's token at rank 0..K-1 or outside the top-K: accepted paths leave the first branch, caches are gathered."""
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     prompt = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(5)).tolist()
     greedy = greedy_decode(model, prompt, 60 + steps + 2, set()).tokens
     coin = random.Random(steps)
     ranks = {index: coin.choice([*range(topk), None]) for index in range(200)}
     session = scripted(model, prompt, greedy, rank=ranks.__getitem__)
     result = tree_speculative_decode(model, session, prompt, 60, set(), steps, topk, draft_tokens)
-    check_result(result, greedy[:60], steps)
+    check_tree_result(result, greedy[:60], steps)
     assert any(length > 1 for length in result.acceptance_lengths) and any(length == 1 for length in result.acceptance_lengths)
     # The drafter was fed each accepted position once, in order, with the token after it.
     sequence = prompt + greedy
@@ -294,9 +254,9 @@ def test_partly_right_drafter_accepts_off_the_first_branch_and_stays_lossless(st
     assert sum(aux.shape[1] for aux, _, _ in session.calls) == len(next_ids)
 
 
-@pytest.mark.parametrize("steps, topk, draft_tokens", SHAPES)
+@pytest.mark.parametrize("steps, topk, draft_tokens", TREE_SHAPES)
 def test_right_drafter_is_accepted_to_full_depth_every_round(steps, topk, draft_tokens):
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     prompt = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(6)).tolist()
     max_new = 1 + 4 * (steps + 1)  # the prefill's token, then four full rounds
     greedy = greedy_decode(model, prompt, max_new + steps + 2, set()).tokens
@@ -307,7 +267,7 @@ def test_right_drafter_is_accepted_to_full_depth_every_round(steps, topk, draft_
 
 
 def test_stop_tokens_and_budget_are_respected_like_greedy():
-    model = tiny_target(vocab_size=300)
+    model = tree_target(vocab_size=300)
     prompt = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(7)).tolist()
     answer = greedy_decode(model, prompt, 40, set()).tokens
     stop_at = next(i for i in range(4, len(answer)) if answer[i] not in answer[:i])
@@ -336,12 +296,12 @@ def test_trees_are_lossless_on_the_default_target(target):
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         greedy = greedy_decode(model, prompt, max_new + 8, stop_ids).tokens
         expected = greedy[:max_new]
-        check_result(tree_speculative_decode(model, drafter, prompt, max_new, stop_ids, 5, 4, 8), expected, 5)
+        check_tree_result(tree_speculative_decode(model, drafter, prompt, max_new, stop_ids, 5, 4, 8), expected, 5)
         coin = random.Random(8)
         ranks = {index: coin.choices([0, 1, 2, 3, None], weights=[4, 2, 1, 1, 1])[0] for index in range(1000)}
         partly = tree_speculative_decode(model, scripted(model, prompt, greedy, ranks.__getitem__), prompt, max_new, stop_ids, 5, 4, 8)
-        check_result(partly, expected, 5)
+        check_tree_result(partly, expected, 5)
         assert max(partly.acceptance_lengths) > 2
         right = tree_speculative_decode(model, scripted(model, prompt, greedy), prompt, max_new, stop_ids, 5, 4, 8)
-        check_result(right, expected, 5)
+        check_tree_result(right, expected, 5)
         assert right.acceptance_lengths[:-1] == [6] * (right.rounds - 1)  # full depth but where the answer ends
