@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from factories import tiny_llama
 from safetensors.torch import load_file, save_file
 from target.engine_sources import vllm_config_package
 
@@ -93,14 +94,8 @@ def speculators_python() -> str:
 
 def tiny_target(directory: Path, seed: int = 0):
     """A random 6-layer Llama saved as an HF directory (tied embeddings, like the default SmolLM2)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=50000.0, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory)
-    return model
+    return tiny_llama(directory, seed=seed, hidden=64, layers=6, vocab=300, intermediate=128, positions=512, head_dim=16, rope_theta=50000.0,
+                      tie_word_embeddings=True)
 
 
 def random_drafter(target, draft_vocab_size: int, aux_layer_ids, seed: int, **flags) -> Eagle3Drafter:
@@ -195,10 +190,7 @@ def test_every_file_is_readable_by_others(tiny):
 
 
 def test_export_refuses_another_targets_embeddings(tiny, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    LlamaForCausalLM(LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16)).save_pretrained(tmp_path / "other")
+    tiny_llama(tmp_path / "other", seed=None, hidden=64, layers=6, vocab=301, intermediate=128, positions=2048, head_dim=16)
     with pytest.raises(CheckpointError, match="the drafter's own target"):
         export_speculators(tiny["drafter"], tmp_path / "other", tmp_path / "export", speculative_tokens=4)
     assert not (tmp_path / "export").exists()

@@ -19,16 +19,17 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_CONFIG
+from factories import tiny_llama
 
 from eyrie import config as cfg
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ConfigError
-from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.cache import HiddenCacheError
 from eyrie.hidden.extract import extract_shard
 from eyrie.hidden.parallel import extraction_gpus, launch_tensor_parallel
 from eyrie.target.aux_layers import default_aux_layer_ids
 from eyrie.target.model import check_tensor_parallel, check_tensor_parallel_device, load_model
+from eyrie.tokens.shards import TOKENS_SCHEMA
 
 TEMPLATE, FINGERPRINT = "a" * 64, "f" * 64
 V, H, LAYERS = 96, 64, 8
@@ -39,13 +40,8 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A random Llama (4 heads, 2 key-value heads: splits in two) saved as an HF directory, and a token shard of 14 samples."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("tp")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=128,
-                         num_hidden_layers=LAYERS, vocab_size=V, max_position_embeddings=256, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(root / "target")
+    tiny_llama(root / "target", hidden=H, layers=LAYERS, vocab=V, intermediate=128, positions=256, head_dim=H // 4, tie_word_embeddings=False)
     g = torch.Generator().manual_seed(1)
     rows = []
     for k in range(14):

@@ -14,17 +14,18 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_CONFIG, snakemake
+from factories import tiny_llama
 from safetensors.torch import load_file
 
 from eyrie import config as cfg
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ConfigError
-from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.hidden.extract import extract_shard
 from eyrie.plan import planned_outputs
 from eyrie.target.aux_layers import default_aux_layer_ids
 from eyrie.target.head import target_text_config
 from eyrie.target.model import load_model
+from eyrie.tokens.shards import TOKENS_SCHEMA
 from eyrie.training.errors import TrainingInputError
 from eyrie.training.inputs import HiddenCache, read_inputs
 from eyrie.training.online import OnlineStates
@@ -45,13 +46,8 @@ def one_thread(one_torch_thread):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A full random Llama target, two token shards of 12 samples each, the draft vocabulary, and the bf16 cache of the shards."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("online")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=64,
-                         num_hidden_layers=LAYERS, vocab_size=V, max_position_embeddings=256, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(root / "target")
+    tiny_llama(root / "target", hidden=H, layers=LAYERS, vocab=V, intermediate=64, positions=256, head_dim=H // 4, tie_word_embeddings=False)
     g = torch.Generator().manual_seed(1)
     token_paths = []
     for shard in range(2):
