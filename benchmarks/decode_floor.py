@@ -25,13 +25,29 @@ its ratio to the floor; the three must produce the same tokens in float32 (bf16 
 so there agreement up to the first divergence is printed instead). With --drafter-k K the static
 decoders also run speculative rounds with a random drafter and print ms per round; --trees S,K,N ... times
 SGLang-style tree rounds the same way (eyrie.decoding.static_tree).
+
+--profile-round: where a round's time goes, piece by piece, instead of the timings above. A greedy step, a chain round
+(--drafter-k) and tree rounds (--trees) run under torch.profiler on the static decoder, compiled as `bench.compile`
+fuses it (--no-compile: eager), but with CUDA graphs off so that each kernel shows up on its own: every step runs
+several times untimed (compilation), then --rounds steps are profiled. Each compiled piece (the target's layer pieces,
+the drafter's pieces, a tree's frontier step, selection and accept) and the target's attention (its cache writes and
+SDPA) run inside a named range, and the table gives, per range and per step, the kernels launched and their summed
+device time; the remaining eager work (the drafter's cache writes, buffer updates) is the row "outside the ranges".
+Inside a CUDA graph a step costs about its kernels' device time plus a small gap per kernel, so the kernel counts and
+device times say which piece a shorter round has to come from. Without CUDA the device columns are empty and the CPU
+time of each range is shown instead.
+
+    python benchmarks/decode_floor.py --profile-round --dtypes bfloat16 --prompt-tokens 64 --trees 6,8,32 6,10,48 --kernels 8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
+from collections import defaultdict
 
 import torch
 
@@ -40,12 +56,17 @@ from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.floor import FloorDecoder
 from eyrie.decoding.static import StaticLlama, open_engine
 from eyrie.decoding.static_common import needed_capacity
+from eyrie.decoding.static_drafter import StaticEagle3
+from eyrie.decoding.static_tree import StaticTree
 from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
+from eyrie.decoding.tree import TreeShape
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
                vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 WARMUPS = 2  # untimed runs first: compilation, autotuning and graph capture happen in them
 SMALL = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=512)
+PROFILE_WARMUPS = 3  # --profile-round: untimed steps first, each piece compiles on its first call
+PROFILE_CAPACITY, PROFILE_SPAN = 512, 256  # the profiled steps' cache; positions stay well inside the first span
 
 
 TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": two_stage_top_k, "ranked": ranked_top_k}
@@ -95,7 +116,8 @@ def memory_floor_ms(model, device) -> float:
     return 1000 * weight_bytes / bandwidth
 
 
-def run(dtype_name: str, args) -> list[dict]:
+def random_target(dtype_name: str, args):
+    """(model, prompt): the random-weight target this run measures on this machine's device, and its random prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +130,12 @@ def run(dtype_name: str, args) -> list[dict]:
     else:
         model = LlamaForCausalLM(LlamaConfig(**(SMALL if args.small else SMOLLM2))).to(device=device, dtype=dtype).eval()
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    return model, prompt
+
+
+def run(dtype_name: str, args) -> list[dict]:
+    model, prompt = random_target(dtype_name, args)
+    device = model.device.type
     capacity = needed_capacity(len(prompt), args.tokens, args.drafter_k)
     graphs = device == "cuda"
     rows = []
@@ -154,6 +182,119 @@ def run(dtype_name: str, args) -> list[dict]:
     return rows
 
 
+def labelled(method, label):
+    """method, run inside the profiler range `label` (the range's kernels are that piece's)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return method(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def ranges(engine):
+    """Name the pieces of every step: the target's layer pieces and attention, the drafter's and the trees' pieces."""
+    saved = []
+
+    def wrap(owner, name, label):
+        saved.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, labelled(getattr(owner, name), label))
+
+    for name in ("_project", "_finish", "_attend", "_head", "_fused_project", "_fused_finish", "_fused_head"):  # the fused ones run while fusing
+        if hasattr(engine, name):
+            wrap(engine, name, f"target {name.replace('_fused', '').strip('_')}")
+    original_piece = StaticEagle3.piece
+    StaticEagle3.piece = lambda self, name, *args, owner=None: labelled(original_piece, f"piece {name}")(self, name, *args, owner=owner)
+    try:
+        yield
+    finally:
+        StaticEagle3.piece = original_piece
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def profile_steps(step, steps: int) -> dict[str, dict]:
+    """Per range (and 'whole step'): kernels and device microseconds per step, CPU microseconds per step, and per kernel
+    name its [launches, device microseconds] per step."""
+    for _ in range(PROFILE_WARMUPS):
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("whole step"):
+                step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    found = defaultdict(lambda: {"kernels": 0.0, "device_us": 0.0, "cpu_us": 0.0, "by_kernel": defaultdict(lambda: [0.0, 0.0])})
+    for event in prof.events():
+        if event.name == "whole step" or event.name.startswith(("target ", "piece ")):
+            row = found[event.name]
+            row["cpu_us"] += event.cpu_time_total / steps
+            kernels = kernels_under(event)
+            row["kernels"] += len(kernels) / steps
+            row["device_us"] += sum(kernel.duration for kernel in kernels) / steps  # busy time, not the range's span
+            for kernel in kernels:
+                row["by_kernel"][kernel.name][0] += 1 / steps
+                row["by_kernel"][kernel.name][1] += kernel.duration / steps
+    return {name: {**row, "by_kernel": dict(row["by_kernel"])} for name, row in found.items()}
+
+
+def kernels_under(event) -> list:
+    """Kernels (profiler Kernel records: name, device, duration in us) launched by `event` and every CPU op under it."""
+    return list(getattr(event, "kernels", [])) + [kernel for child in event.cpu_children for kernel in kernels_under(child)]
+
+
+def profile_round(dtype_name: str, args) -> dict[str, dict]:
+    """--profile-round: per step label (greedy step, chain round, each tree's round), profile_steps' ranges."""
+    model, prompt = random_target(dtype_name, args)
+    opened = open_engine if args.target else StaticLlama
+    engine = opened(model, capacity=PROFILE_CAPACITY, cuda_graphs=False, compile=args.compile)
+    eagle = engine.drafter_for(random_drafter(model, args.draft_vocab))
+    steps = {"greedy step": engine.step_function(functools.partial(engine._greedy_step, PROFILE_SPAN))}
+    with torch.inference_mode():
+        if args.drafter_k:
+            chain = eagle._rounds_for(args.drafter_k)
+            eagle.start(prompt, chain)
+            steps[f"chain {args.drafter_k} round"] = engine.step_function(functools.partial(chain._round, PROFILE_SPAN))
+        for shape in args.trees:
+            tree = StaticTree(eagle, TreeShape(*shape))
+            eagle.start(prompt, tree)
+            steps[f"tree {shape} round"] = engine.step_function(functools.partial(tree._round, PROFILE_SPAN))
+        results = {}
+        with ranges(engine):
+            for label, step in steps.items():  # each step keeps decoding from where the last left off
+                engine.position.fill_(len(prompt))
+                results[label] = profile_steps(step, args.rounds)
+    return results
+
+
+def print_profile(dtype_name: str, results: dict[str, dict], args) -> None:
+    print(f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, {dtype_name}, compile {args.compile}, "
+          f"no CUDA graphs; per step: kernels, device us, CPU us")
+    for label, found in results.items():
+        whole = found.get("whole step", {"kernels": 0, "device_us": 0.0, "cpu_us": 0.0})
+        print(f"\n{label}: {whole['kernels']:.0f} kernels, {whole['device_us']:.1f} us on the device, {whole['cpu_us']:.0f} us CPU")
+        named = sorted(((k, v) for k, v in found.items() if k != "whole step"), key=lambda kv: (-kv[1]["device_us"], -kv[1]["cpu_us"]))
+        inside = {"kernels": 0.0, "device_us": 0.0}
+        for name, row in named:  # no range runs inside another, so they add up
+            print(f"  {name:24} {row['kernels']:7.1f} {row['device_us']:9.1f} {row['cpu_us']:9.0f}")
+            costliest = sorted(row["by_kernel"].items(), key=lambda item: -item[1][1])[: args.kernels]
+            for kernel, (count, us) in costliest:
+                print(f"      {count:5.1f} {us:8.1f}  {kernel[:100]}")
+            inside["kernels"] += row["kernels"]
+            inside["device_us"] += row["device_us"]
+        print(f"  {'outside the ranges':24} {whole['kernels'] - inside['kernels']:7.1f} {whole['device_us'] - inside['device_us']:9.1f}")
+
+
+def machine() -> dict:
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -177,16 +318,30 @@ def main() -> None:
                                           "in the same call): print this run's ms over that one's, row by row")
     parser.add_argument("--top-k", choices=sorted(TOP_K_WAYS), help="the tree rounds' top-K over the draft vocabulary, in "
                         "place of eyrie's default (eyrie.decoding.topk): run once per way, --out then --against, to compare them")
+    parser.add_argument("--profile-round", action="store_true", help="where a round's time goes, range by range, in place of the "
+                        "timings (see above); --drafter-k is the chain profiled, --trees the trees; --out writes the ranges")
+    parser.add_argument("--rounds", type=int, default=20, help="--profile-round: steps profiled per decoder")
+    parser.add_argument("--kernels", type=int, default=0, help="--profile-round: print each range's N costliest kernels "
+                        "(name, count and us per step)")
     args = parser.parse_args()
     if args.top_k:
         use_top_k(args.top_k)
+    if args.profile_round:
+        profiles = {}
+        for dtype in args.dtypes:
+            profiles[dtype] = profile_round(dtype, args)
+            print_profile(dtype, profiles[dtype], args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({**machine(), "compile": args.compile, "profiles": profiles}, f, indent=1)
+        return
     rows = [row for dtype in args.dtypes for row in run(dtype, args)]
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({**machine(), "rows": rows}, f, indent=1)
     print(f"{'dtype':9} {'decoder':28} {'ms/token':>9} {'x floor':>8} {'diverges at':>11} {'ms/round':>9} {'round/step':>10}")
     for r in rows:
-        print(f"{r['dtype']:9} {r['decoder']:28} {r['ms_per_token']:9.3f} {r['ratio_to_floor']:8.2f} {str(r['first_divergence_from_floor']):>11} "
+        print(f"{r['dtype']:9} {r['decoder']:28} {r['ms_per_token']:9.3f} {r['ratio_to_floor']:8.2f} {r['first_divergence_from_floor']!s:>11} "
               f"{r.get('ms_per_round', float('nan')):9.3f} {r.get('round_in_greedy_steps', float('nan')):10.2f}"
               + (f"  lossless {r['spec_lossless']}" if "spec_lossless" in r else "")
               + ("" if not r["capture_failures"] else f"  CAPTURE FAILED: {r['capture_failures'][:1]}"))

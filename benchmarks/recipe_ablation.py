@@ -21,7 +21,7 @@ The drafters go to a temporary directory (--keep DIR keeps them).
 
 Settings are judged by the walked chain of --k drafts over the held-out samples' first replies: it replays the
 decoder's rounds, and on the same tokens matches served acceptance to a few tenths of a percent
-(benchmarks/parity_probe.py); on the cache's held-out samples it has read 14-16% above the benchmarks' prompts, a bias
+(benchmarks/drafter_probe.py parity); on the cache's held-out samples it has read 14-16% above the benchmarks' prompts, a bias
 shared by every setting. --gpus 0,1,... trains one setting per GPU at once, each in its own process (several on one
 GPU do not help: it time-slices them). --limit keeps a run inside a time-limited job: a setting that cannot finish in
 time is not started. --overlay FILE writes the best setting's changes as a config overlay for the pipeline

@@ -27,6 +27,17 @@ against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex 
 Each variant's line also gives its matrix-product FLOPs per token (forward and backward, every TTT step: fc,
 q/k/v/o, MLP, the draft head, the target head's distribution and attention over the row) and the TFLOP/s that
 implies, against the dense bf16 peak of an H200 (989 TFLOP/s): the roofline ratio at that shape.
+
+--processes N: data-parallel training, one process against N (torchrun + DDP) on the same global batches of --batch
+rows, one variant (the first of --variants; flex+chunked by default). First the steps in this process on one device,
+then the same steps under `torchrun --nproc_per_node N` (this script with --worker), each rank taking its rows of
+every step's batch exactly as train_drafter does (eyrie.training.distributed.rank_share + train_step +
+DistributedDataParallel). Prints the two loss curves side by side with their max abs difference and the scaling
+efficiency = N-process tokens/s / (N x 1-process tokens/s). Everything it launches gets NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+
+    python benchmarks/train_throughput.py --processes 2 --batch 4 --steps 5 --out train_ddp.json   # 2x H200, ~3 min
+    python benchmarks/train_throughput.py --processes 2 --small --out /tmp/ddp.json                 # CPU, gloo
 """
 
 from __future__ import annotations
@@ -35,14 +46,19 @@ import argparse
 import functools
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+from eyrie.training.distributed import data_parallel, rank_share
 from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.optimizer import make_optimizer
 
@@ -74,6 +90,7 @@ VARIANTS = {
 
 
 H200_BF16_DENSE_TFLOPS = 989.0
+LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # --processes: what every launch gets
 
 
 def flops_per_token(dims: dict, ttt_steps: int, seq_len: int) -> float:
@@ -236,34 +253,159 @@ def profile_steps(name: str, step, count: int = 2) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
+# --------------------------------------------------------------------------- --processes N: data-parallel training
+
+
+def take_rows(batch: dict, rows: list[int]) -> dict:
+    picked = {k: v[rows] for k, v in batch.items() if torch.is_tensor(v)}
+    picked["tokens"] = int(picked["lengths"].sum())
+    return picked
+
+
+def run_steps(args, dims: dict, rank: int, world: int, device) -> dict:
+    """The steps on this rank's share of every global batch (the same random rows in every process, seeded per step);
+    figures over all ranks (as rank 0 logs them)."""
+    cuda = torch.device(device).type == "cuda"
+    objective, optimizer, target_head, draft_ids, t2d = build(dims, VARIANTS[args.variant], device, args.ttt_steps, args.seed)
+    if world > 1:
+        objective = data_parallel(objective, device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    losses, times, tokens = [], [], 0
+    for step in range(args.warmup + args.steps):
+        batch = random_batch(dims, args.batch, args.seq_len, target_head, draft_ids, device, dtype, args.seed + 1000 + step, args.prompt_share)
+        rows, weight = rank_share(list(range(args.batch)), rank, world)
+        batch = take_rows(batch, rows)
+        batch["weight"] = weight
+        result, elapsed = timed_step(objective, optimizer, batch, target_head, draft_ids, t2d, device)
+        losses.append(result["loss"])
+        if step >= args.warmup:
+            times.append(elapsed)
+            tokens = result["tokens"]
+        if rank == 0:
+            print(f"  world {world} step {step}: {elapsed * 1000:.0f} ms, loss {result['loss']:.5f}", flush=True)
+    step_s = statistics.median(times)
+    return {"losses": losses, "median_step_s": step_s, "tokens_per_second": tokens / step_s, "step_times_s": times,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+def worker(args, dims: dict) -> int:
+    """One torchrun rank: join the group, train, rank 0 writes --worker-out."""
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and not args.small
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    try:
+        figures = run_steps(args, dims, rank, world, device)
+        if rank == 0:
+            Path(args.worker_out).write_text(json.dumps(figures))
+    finally:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def launch_ranks(args, out_path: Path) -> subprocess.CompletedProcess:
+    forwarded = ["--variants", args.variant, "--shape", args.shape, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+                 "--ttt-steps", str(args.ttt_steps), "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
+                 "--prompt-share", str(args.prompt_share), "--processes", str(args.processes)]
+    forwarded += (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab else []) + (["--small"] if args.small else [])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.processes),
+               str(Path(__file__).resolve()), "--worker", "--worker-out", str(out_path), "--out", str(out_path) + ".unused", *forwarded]
+    env = {**os.environ, **LAUNCH_ENV}
+    if args.small:
+        env["OMP_NUM_THREADS"] = "1"
+    print(f"launching: {' '.join(command)}", flush=True)
+    return subprocess.run(command, env=env, timeout=args.timeout, stdout=sys.stdout, stderr=sys.stderr)
+
+
+def data_parallel_report(args, dims: dict) -> int:
+    """One process against --processes ranks on the same global batches: loss curves, tokens/s, scaling efficiency."""
+    cuda = torch.cuda.is_available() and not args.small
+    device = "cuda:0" if cuda else "cpu"
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if cuda else 'cpu'}, GPUs {torch.cuda.device_count() if cuda else 0}, "
+          f"variant {args.variant}, global batch {args.batch} x {args.seq_len}, TTT steps {args.ttt_steps}", flush=True)
+    report = {"torch": torch.__version__, "variant": args.variant, "shape": dims, "rows": args.batch, "seq_len": args.seq_len, "processes": args.processes}
+    try:
+        report["one"] = run_steps(args, dims, 0, 1, device)
+    except Exception as exc:
+        traceback.print_exc()
+        report["one"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    if cuda:
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = Path(tmp) / "ranks.json"
+        try:
+            done = launch_ranks(args, out_path)
+            report["many"] = json.loads(out_path.read_text()) if out_path.is_file() else {"error": f"torchrun exited {done.returncode} without figures"}
+        except Exception as exc:
+            traceback.print_exc()
+            report["many"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+    one, many = report["one"], report["many"]
+    print(f"\n{'step':>4} {'1 process loss':>14} {f'{args.processes} ranks loss':>14} {'abs diff':>10}")
+    if "losses" in one and "losses" in many:
+        diffs = [abs(a - b) for a, b in zip(one["losses"], many["losses"])]
+        for i, (a, b, d) in enumerate(zip(one["losses"], many["losses"], diffs)):
+            print(f"{i:>4} {a:>14.6f} {b:>14.6f} {d:>10.2e}")
+        efficiency = many["tokens_per_second"] / (args.processes * one["tokens_per_second"])
+        report["max_abs_loss_diff"], report["scaling_efficiency"] = max(diffs), efficiency
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"max abs loss diff {max(diffs):.2e}")
+        print(f"tok/s: 1 process {one['tokens_per_second']:.0f}, {args.processes} ranks {many['tokens_per_second']:.0f}; "
+              f"scaling efficiency {efficiency:.2f} (1.00 = linear)")
+        if one.get("peak_gib") is not None:
+            print(f"peak GiB: 1 process {one['peak_gib']:.2f}, rank 0 of {args.processes} {many['peak_gib']:.2f}")
+        return 0
+    print(f"FAILED: 1 process: {one.get('error', 'ok')}; {args.processes} ranks: {many.get('error', 'ok')}")
+    return 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke test")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the drafter's shape (pipeline: the default target's, H 576)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; 64 with --small)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", "--rows", type=int, default=None, help="rows a step (default 1; with --processes: the global "
+                        "batch, default 2)")
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (flex and train.compile compile here)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--max-seconds", type=float, default=45.0, help="stop timing a variant after this long")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all; with --processes: "
+                        "flex+chunked)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
     parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default the shape's)")
     parser.add_argument("--prompt-share", type=float, default=0.0,
                         help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.27)")
+    parser.add_argument("--processes", type=int, default=1, help="N > 1: one process against N data-parallel ranks (see above)")
+    parser.add_argument("--timeout", type=int, default=360, help="--processes: seconds allowed to the torchrun launch")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     dims = dict(SMALL if args.small else SHAPES[args.shape])
     if args.draft_vocab:
         dims["draft_vocab"] = args.draft_vocab
     args.seq_len = args.seq_len or (64 if args.small else 2048)
+    args.batch = args.batch or (2 if args.processes > 1 else 1)
+    if args.processes > 1:
+        args.variant = args.variants.split(",")[0] if args.variants else "flex+chunked"
+        if args.variant not in VARIANTS:
+            parser.error(f"--variants: {args.variant!r} is not one of {', '.join(VARIANTS)}")
+        for key, value in LAUNCH_ENV.items():
+            os.environ.setdefault(key, value)
+        return worker(args, dims) if args.worker else data_parallel_report(args, dims)
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, device {device_name}, shape {dims}, L={args.seq_len}, batch {args.batch}, TTT steps {args.ttt_steps}", flush=True)
 
     results = {}
-    for name in args.variants.split(","):
+    for name in (args.variants or ",".join(VARIANTS)).split(","):
         print(f"== {name}", flush=True)
         try:
             results[name] = measure(name, VARIANTS[name], args, dims, device)

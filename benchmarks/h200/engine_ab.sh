@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, nothing carried but the working tree: this engine's tree rounds against an earlier commit's, side by
-# side (decode_floor.py --against), with the frontier's top-K of each way in WAYS (eyrie.decoding.topk) and, with PROFILE=<top-K way>, where the new round's time goes (round_profile.py). Random
+# side (decode_floor.py --against), with the frontier's top-K of each way in WAYS (eyrie.decoding.topk) and, with PROFILE=<top-K way>, where the new round's time goes (decode_floor.py --profile-round). Random
 # weights at the default target's shape, a 32,000-token draft vocabulary, bf16.
 #   BASE: a folder holding the earlier commit's src/ and benchmarks/ (git archive <commit> src benchmarks | tar -x -C BASE),
 #   placed inside the repository (untracked) so that it travels with the call.
@@ -19,4 +19,4 @@ for run in ${WAYS:-ranked}; do  # WAY or WAY@VOCAB: this engine's top-K way, at 
     (cd benchmarks && PYTHONPATH=../src python decode_floor.py $A --top-k $way --draft-vocab $vocab --out "$OUT/$way-$vocab.json" \
         --against "$OUT/base.json" 2>&1 | quiet | tail -9)
 done
-[ -n "${PROFILE:-}" ] && (cd benchmarks && PYTHONPATH=../src python round_profile.py --trees 8,10,64 --chain 0 --kernels 14 --top-k "$PROFILE" 2>&1 | quiet | sed -n '/tree (8, 10, 64)/,$p' | head -60)
+[ -n "${PROFILE:-}" ] && (cd benchmarks && PYTHONPATH=../src python decode_floor.py --profile-round --dtypes bfloat16 --trees 8,10,64 --drafter-k 0 --kernels 14 --top-k "$PROFILE" 2>&1 | quiet | sed -n '/tree (8, 10, 64)/,$p' | head -60)

@@ -5,5 +5,5 @@
 set -u; cd "$(dirname "$0")/../.."; source benchmarks/h200/lib.sh
 step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/training/test_train.py -k "cuda or compile"
 TAIL=12 step train_throughput 200 python3 benchmarks/train_throughput.py --variants flex+chunked,flex+chunked+compiled --steps 8 --max-seconds 12 --out "$OUT/train_throughput.json"
-[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && step train_ddp 100 python3 benchmarks/train_ddp.py --rows 4 --steps 5 --out "$OUT/train_ddp.json"
+[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && step train_ddp 100 python3 benchmarks/train_throughput.py --processes 2 --batch 4 --steps 5 --out "$OUT/train_ddp.json"
 exit 0

@@ -3,7 +3,7 @@
 A drafter drafts only the ids its vocabulary holds (t2d). When the target copies names or quoted text from the prompt
 that it never wrote in training, every such token ends a round however well the drafter copies; on the held-out
 ShareGPT prompts of the default target these were 1.8% of the reply tokens, and walking the replies as if they had
-been drafted right gave +4.2% acceptance (`benchmarks/copy_probe.py vocab`). The benchmark reports the share
+been drafted right gave +4.2% acceptance (`benchmarks/drafter_probe.py copy vocab`). The benchmark reports the share
 so that a user sees when the vocabulary, not the drafter, is the limit.
 """
 

@@ -6,7 +6,7 @@ makes a reply reproduce it: proofread it, format it, quote from it. The target's
 long stretches of their prompt, as replies to pasted documents, search results and code do in real traffic,
 and the drafter learns to copy from its context. Why: on the H200 run, prompt lookup beat the drafter by about
 2x on the held-out ShareGPT prompts that quote a list or repeat a sentence, and those four of sixteen held
-the drafter's whole shortfall against the n-gram (`benchmarks/copy_probe.py`; docs/RESULTS.md).
+the drafter's whole shortfall against the n-gram (`benchmarks/drafter_probe.py copy`; docs/RESULTS.md).
 
 A record held out by the dataset named in `skip_heldout_of` gives no prompt: its reply is never trained on,
 so that dataset's benchmark stays unseen. Which instruction a record gets depends on its id alone.

@@ -30,7 +30,7 @@ class StaticEagle3:
     mapping) and the head's token alone; trees take the head's top-K (_top) inside their own pieces. A piece writes
     the cache inside (index_copy_ on its input), so a draft step launches no eager kernel. At batch 1 nearly every
     kernel is tiny and costs ~2 us on an H200 however little it does (a greedy step: 610 kernels, 1.36 ms of kernel
-    time in a 1.7 ms step, benchmarks/round_profile.py), so fewer kernels is what pays.
+    time in a 1.7 ms step, benchmarks/decode_floor.py --profile-round), so fewer kernels is what pays.
     """
 
     PIECES = ("_forward", "_extend", "_draft_step", "_token")
@@ -185,7 +185,7 @@ class StaticEagle3:
 class MergedProducts:
     """The drafter layer's q, k and v weights as one matrix, and gate and up as another: one matrix product each where
     there were three and two. At batch 1 each product is a kernel of a few microseconds whatever its width, and a tree
-    round runs the layer S + 1 times (benchmarks/round_profile.py). SGLang's and vLLM's Llama layers merge the same
+    round runs the layer S + 1 times (benchmarks/decode_floor.py --profile-round). SGLang's and vLLM's Llama layers merge the same
     weights. The values are the separate products' (each output column is the same dot product); the kernels may
     sum in another order, so they can differ in the last bit."""
 

@@ -58,7 +58,7 @@ class StaticTree:
         # The frontier's K/V slots: K per depth after the first, padded to a multiple of 8 (never visible). The softmax
         # over the prefix and these slots is sliced per block, and a row stride that is not a multiple of 8 bf16 values
         # sent the drafter's products over them to cuBLAS's unaligned kernels (cutlass "align2": 62 us in 15 calls per
-        # (6, 10, 48) round on an H200, benchmarks/round_profile.py).
+        # (6, 10, 48) round on an H200, benchmarks/decode_floor.py --profile-round).
         nodes, tree_slots = shape.nodes, round_up(max(K * (S - 1), 1), 8)
         self.ext_aux = torch.zeros(1, S + 1, 3 * drafter.drafter.shape.target_hidden_size, device=device, dtype=target.dtype)
         self.ext_ids = torch.zeros(1, S + 1, dtype=torch.long, device=device)

@@ -4,7 +4,7 @@ rows elsewhere.
 A tree round takes the top K of the draft vocabulary for each of its K frontier nodes: ~10 rows of 32,000. For so
 few, so long rows PyTorch's CUDA topk switches to its multi-block radix select, ~17 kernels per call (three per 8-bit
 digit of a float32, four digits, then scans and a gather); on an H200 that was ~37 us of a frontier step's ~130 us
-(benchmarks/round_profile.py). Cut into chunks of at most MAX_CHUNK, the rows take the
+(benchmarks/decode_floor.py --profile-round). Cut into chunks of at most MAX_CHUNK, the rows take the
 single-block path: the top K of each chunk, then the top K of those candidates, in a handful of kernels.
 
 The values are torch.topk's exactly (the global top K is among the chunks' top Ks); so are the indices, except
@@ -95,6 +95,6 @@ def _ranks(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def _by_rank(ranks: torch.Tensor, items: torch.Tensor, k: int) -> torch.Tensor:
     """The items of ranks 0..k-1 of each row, in rank order (rows, k): for each rank, the one item holding it (ranks
     are distinct), summed out of zeros. A reduction, which inductor compiles into one kernel with its neighbours,
-    where a scatter into zeros was two kernels of its own (~4.6 us each on an H200, benchmarks/round_profile.py)."""
+    where a scatter into zeros was two kernels of its own (~4.6 us each on an H200, benchmarks/decode_floor.py --profile-round)."""
     hit = ranks[:, None, :] == torch.arange(k, device=ranks.device)[None, :, None]  # (rows, k, n)
     return torch.where(hit, items[:, None, :], torch.zeros((), dtype=items.dtype, device=items.device)).sum(-1)

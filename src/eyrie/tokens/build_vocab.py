@@ -2,7 +2,7 @@
 
 With `from_prompts`, the tokens the target read in its prompts but never wrote come after every token it wrote, the
 most read first, where never-seen ids would pad. The target copies such tokens from the prompt (names, references,
-quoted text), and a drafter can only propose ids its vocabulary holds (`benchmarks/copy_probe.py vocab`).
+quoted text), and a drafter can only propose ids its vocabulary holds (`benchmarks/drafter_probe.py copy vocab`).
 
 How the chosen ids are stored (d2t offsets, t2d mask) and checked belongs to eyrie.tokens.vocab.
 """

@@ -18,7 +18,7 @@ Both average over every position alike, and a served chain does not: it verifies
 what was accepted and starts the next round there. Easy stretches (long accepted runs) are crossed in
 a few rounds, hard ones are visited position by position, so a per-position average overweights the
 easy stretches and predicts more than a decoder gets (on the H200 run's held-out prompts: conditional
-2.32, served 1.70; benchmarks/parity_probe.py). The walked form replays the decoder: along each sample
+2.32, served 1.70; benchmarks/drafter_probe.py parity). The walked form replays the decoder: along each sample
 a round starts at t (token t+1 is the bonus token, an assistant token, and token t+2 is one too),
 accepts a = min(k, the run of consecutive hits of steps 0, 1, ... at t), emits a + 1 tokens and the next
 round starts at t + a + 1. walked_length(k) = emitted / rounds, the served acceptance length of a chain
@@ -27,14 +27,14 @@ of k drafts on these very tokens (a target argmax outside the draft vocabulary i
 A benchmark serves the first user turn of each held-out prompt, while a cache sample holds every turn of its
 conversation, and later replies (with the earlier ones in context) are easier to draft: on the H200 run's drafter,
 served 1.69 on first turns and 2.01 on second turns of the same 16 prompts, each matched by the walk to 0.3%
-(benchmarks/parity_probe.py --second-turn). So the walk is also counted over each sample's first assistant reply
+(benchmarks/drafter_probe.py parity --second-turn). So the walk is also counted over each sample's first assistant reply
 alone (walked_first_turn_length), the prediction the parity gate compares a benchmark with.
 
 Where prompt lookup would copy (the copy slice): at each round start t where prompt lookup (the benchmark's n-gram
 baseline at k = 8) would have its first COPY_MIN_DRAFTS drafts or more accepted, the drafter's accepted drafts
 min(k, run) beside prompt lookup's. A drafter that learned to copy from its context accepts about as much there. An
 H200 drafter of the GPU config, decoded on three held-out ShareGPT prompts that quote or loop, accepted 2-4 tokens a
-round where prompt lookup would have accepted 8-9 (`benchmarks/copy_probe.py decode`), and that gap was what held-out ShareGPT's ratio
+round where prompt lookup would have accepted 8-9 (`benchmarks/drafter_probe.py copy decode`), and that gap was what held-out ShareGPT's ratio
 over the n-gram lacked.
 
 Counts are integers summed over batches (all-reduced over data-parallel ranks, each rank taking

@@ -9,7 +9,7 @@ them on a one-token match; with 3, 34%.
 
 The drafter decoded on the H200 missed exactly such tokens: in a reply that repeats one sentence it failed at the
 same places every time the sentence came round, where prompt lookup accepted 8-9 a round
-(`benchmarks/copy_probe.py decode`). A single drafter layer can copy (a key sees its position's token through the target's features,
+(`benchmarks/drafter_probe.py copy decode`). A single drafter layer can copy (a key sees its position's token through the target's features,
 a value the next token through the input embedding); weighting these labels asks it to.
 
 On the device, without a host loop: each n-gram becomes one exact int64 key (its tokens' ids in base 2^bits and the

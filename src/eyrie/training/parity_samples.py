@@ -4,7 +4,7 @@ The gate (eyrie.bench.parity) asks whether the drafter is served as it was train
 held-out prompts with the walk over the held-out cache samples mixes that question with another: the two
 are different prompts. On the H200 run, sixteen ShareGPT prompts served 1.70 against a walk of 1.98 over
 256 cache samples, while the first sixteen of those cache samples' own prompts, served, gave 1.945 against
-a walk of 1.949 on the same tokens (benchmarks/parity_probe.py --eval-samples). So training keeps, for
+a walk of 1.949 on the same tokens (benchmarks/drafter_probe.py parity --eval-samples). So training keeps, for
 PARITY_SAMPLES held-out samples spread over the cache, the prompt before each first assistant reply and that
 reply's walked chains for every k (eyrie.drafter.checkpoint writes them beside the drafter); the benchmark
 decodes those prompts and sets its acceptance beside the walk over exactly those replies. Only a serving
