@@ -8,9 +8,11 @@ import shlex
 
 import pytest
 from factories import random_drafter, tree_target
+from generation.test_sglang_server import sglang_argv, sglang_parser  # noqa: F401 - the fixture
 from target.engine_sources import class_fields, function_from, sglang_file, vllm_file  # noqa: F401
 
-from eyrie.bench.concurrency import NO_SPECULATION, OFF_REASON, concurrency_block, recommend, vllm_flags, vllm_schedule
+from eyrie.bench.concurrency import (ADAPTIVE_CONFIG_FILE, NO_SPECULATION, OFF_REASON, concurrency_block, recommend, sglang_adaptive_config,
+                                    sglang_adaptive_flags, vllm_flags, vllm_schedule)
 from eyrie.decoding.batched_greedy import open_batched_greedy
 from eyrie.decoding.tree import TreeShape
 
@@ -79,3 +81,40 @@ def test_vllm_schedule_is_read_by_vllms_own_code():
     assert set(config) <= set(class_fields(vllm_file("config/speculative.py"), "SpeculativeConfig"))
     assert config["num_speculative_tokens"] == 4
     assert vllm_schedule([{"batch": 1, "recommended": None}]) is None  # no chain anywhere: serve without speculation
+
+
+def test_sglang_adaptive_tiers_are_read_by_sglangs_own_code(tmp_path, sglang_parser):  # noqa: F811
+    import types
+
+    from sglang.srt.arg_groups.speculative_hook import _init_adaptive_speculative_params
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams, _load_adaptive_config, adaptive_unsupported_reason
+
+    from eyrie.target.serving import launch_command
+
+    parser, _ = sglang_parser
+    per_batch = [{"batch": 2, "recommended": {"kind": "chain", "draft_tokens": 4}}, {"batch": 8, "recommended": {"kind": "chain", "draft_tokens": 2}},
+                 {"batch": 32, "recommended": {"kind": "ngram", "draft_tokens": 4}}, {"batch": 64, "recommended": None}]
+    adaptive = sglang_adaptive_config(per_batch)
+    assert adaptive == {"1": {"candidate_steps": [4]}, "8": {"candidate_steps": [2]}, "32": {"candidate_steps": [0]}, "64": {"candidate_steps": [0]}}
+    path = tmp_path / ADAPTIVE_CONFIG_FILE
+    path.write_text(json.dumps(adaptive))
+    _, tiers = _load_adaptive_config(str(path))
+    assert sorted(tiers) == [1, 8, 32, 64]
+    flags = shlex.split(sglang_adaptive_flags(adaptive, str(path)))
+    command = launch_command("/models/target", 30000, extra_args=["--speculative-draft-model-path", "/drafters/d", *flags])
+    args = parser.parse_args(sglang_argv(command))
+    assert args.speculative_adaptive and args.speculative_adaptive_config == str(path) and args.speculative_algorithm == "EAGLE3"
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (4, 1)
+    resolved = types.SimpleNamespace(**vars(args))  # SGLang's own checks and resolution, on the parsed command
+    assert adaptive_unsupported_reason(resolved) is None
+    _init_adaptive_speculative_params(resolved)  # raises when --speculative-num-steps is in no tier
+    assert resolved._resolved_overrides[-1][1] == {"speculative_num_draft_tokens": 5}
+    router = AdaptiveSpeculativeParams(args.speculative_num_steps, str(path))
+    steps = {b: router.get_steps_for_batch(b) for b in (1, 2, 7, 8, 31, 32, 64, 200)}
+    assert steps == {1: 4, 2: 4, 7: 4, 8: 2, 31: 2, 32: 0, 64: 0, 200: 0}  # each load served what was measured there
+    for _ in range(40):  # a single candidate per tier: SGLang's acceptance tracking keeps it whatever it observes
+        router.on_verify_complete([0] * 8, 8)
+        router.on_verify_complete([4], 1)
+    assert (router.get_steps_for_batch(8), router.get_steps_for_batch(1)) == (2, 4)
+    assert sglang_adaptive_config([{"batch": 1, "recommended": {"kind": "ngram", "draft_tokens": 4}}]) is None  # no chain anywhere
+    assert sglang_adaptive_flags(None) is None

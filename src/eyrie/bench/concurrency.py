@@ -25,6 +25,7 @@ from eyrie.target.serving import eagle3_flags
 
 NO_SPECULATION = "no speculation"
 WARMUP_TOKENS = 4
+ADAPTIVE_CONFIG_FILE = "sglang-adaptive.json"  # where the user writes sglang_adaptive_config: SGLang reads the tiers from a file
 OFF_REASON = "bench.concurrency is empty: batched decoding is off (on the CPU default it would add minutes to a 15-minute run)"
 
 
@@ -126,6 +127,30 @@ def vllm_flags(schedule: list[list[int]] | None, drafter_dir: str = "<drafter>")
     return shlex.join(["--speculative-config", json.dumps(config)])
 
 
+def sglang_adaptive_config(per_batch: list[dict]) -> dict | None:
+    """SGLang's --speculative-adaptive-config from the recommendation per load: one tier per measured B (the first keyed
+    "1"; SGLang routes a batch to the largest tier at or below it, so a tier holds from its B to the next), its
+    candidate_steps the recommended chain's k alone, so SGLang serves what was measured there instead of probing others,
+    and [0] (no drafting) where no chain is recommended; None when no load recommends a chain (serve without speculation)."""
+    if not any(p["recommended"] and p["recommended"]["kind"] == "chain" for p in per_batch):
+        return None
+    tiers = {}
+    for index, entry in enumerate(per_batch):
+        best = entry["recommended"]
+        tiers[str(1 if index == 0 else entry["batch"])] = {"candidate_steps": [best["draft_tokens"] if best and best["kind"] == "chain" else 0]}
+    return tiers
+
+
+def sglang_adaptive_flags(adaptive: dict | None, config_path: str = ADAPTIVE_CONFIG_FILE) -> str | None:
+    """SGLang's launch flags for the adaptive tiers written to config_path (the drafter's path aside); its initial
+    --speculative-num-steps the largest k (each single-candidate tier starts at its own), draft tokens derived by SGLang."""
+    if adaptive is None:
+        return None
+    steps = max(s for tier in adaptive.values() for s in tier["candidate_steps"])
+    return shlex.join(["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+                       "--speculative-adaptive", "--speculative-adaptive-config", str(config_path)])
+
+
 def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, sweep: list = (), drafter_dir=None) -> dict:
     """The `concurrency` block: {batches, settings, per_batch [{batch, distinct_prompts, greedy, settings, recommended,
     sglang_flags}], vllm_schedule, vllm_flags, off_reason, trees}. engine: a BatchedRows on `model` (open_batched_greedy)."""
@@ -133,7 +158,8 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
 
     batches = sorted(set(cfg.get("concurrency") or []))
     block = {"batches": batches, "off_reason": None, "trees": "not batched: EAGLE's maintainers advise no trees above batch 1",
-             "lossless_dtype": "float32", "per_batch": [], "vllm_schedule": None, "vllm_flags": None}
+             "lossless_dtype": "float32", "per_batch": [], "vllm_schedule": None, "vllm_flags": None,
+             "sglang_adaptive_config": None, "sglang_adaptive_flags": None}
     if not batches:
         block["off_reason"] = OFF_REASON
         return block
@@ -156,4 +182,6 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
                                    "sglang_flags": sglang_flags(best)})
     block["vllm_schedule"] = vllm_schedule(block["per_batch"])
     block["vllm_flags"] = vllm_flags(block["vllm_schedule"], drafter_dir or "<drafter>")
+    block["sglang_adaptive_config"] = sglang_adaptive_config(block["per_batch"])
+    block["sglang_adaptive_flags"] = sglang_adaptive_flags(block["sglang_adaptive_config"])
     return block
