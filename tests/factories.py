@@ -6,8 +6,11 @@ test keeps the exact model it was written against.
 
 from __future__ import annotations
 
+import html as html_lib
 import itertools
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -452,3 +455,30 @@ def byte_tokenizer(template: str, specials=("<|im_start|>", "<|im_end|>")):
                                         additional_special_tokens=list(specials))
     tokenizer.chat_template = template
     return tokenizer
+
+
+# --------------------------------------------------------------------------- a browser for the report
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").is_file() else None)
+FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+)
+WIDTH, HEIGHT = 1280, 12000  # tall enough for the whole page; the blank bottom is cropped off the artifact
+
+
+def chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    """Headless Chromium on `page` with a fresh profile (its DOM or a screenshot, as `args` ask); a failure is an AssertionError."""
+    done = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", *args, page.as_uri()],
+        capture_output=True, text=True, timeout=90,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"chromium {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done
+
+
+def page_text(dom: str) -> str:
+    """The page's visible-ish text: tags dropped, entities decoded, whitespace collapsed."""
+    body = re.sub(r"<(style|svg)\b.*?</\1>", " ", dom, flags=re.S | re.I)
+    return re.sub(r"\s+", " ", html_lib.unescape(re.sub(r"<[^>]+>", " ", body)))

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import SNAKEMAKE, TINY_CONFIG, copy_of, make_workdir, snakemake
+from factories import CHROMIUM, chromium, page_text
 
 pytestmark = pytest.mark.e2e
 
@@ -213,16 +214,14 @@ def test_trained_drafter_beats_a_random_one_on_acceptance(built, model_dir):
 
 
 def test_the_real_report_opens_in_chromium_and_shows_the_benchmark(built, tmp_path):
-    from report.test_browser import CHROMIUM, _chromium, _text
-
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     artifacts = Path(os.environ.get("EYRIE_TEST_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)
     screenshot = artifacts / "e2e-report.png"
-    dom = _chromium(built / "report.html", tmp_path / "profile", "--dump-dom").stdout
-    _chromium(built / "report.html", tmp_path / "profile2", f"--screenshot={screenshot}")
-    text = _text(dom)
+    dom = chromium(built / "report.html", tmp_path / "profile", "--dump-dom").stdout
+    chromium(built / "report.html", tmp_path / "profile2", f"--screenshot={screenshot}")
+    text = page_text(dom)
     bench = json.loads((built / "results/bench/humaneval.json").read_text())
     assert "humaneval" in text and f"{bench['mean_acceptance_length']:.2f}" in text
     assert "LlamaForCausalLMEagle3" in text or "EAGLE3" in text

@@ -7,43 +7,20 @@ Chromium's DOM and photographed. The screenshot is kept as a test artifact under
 
 from __future__ import annotations
 
-import html as html_lib
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from factories import CHROMIUM, HEIGHT, WIDTH, chromium, page_text
 from report.test_build import _back_half, _inputs
 
 from eyrie.report.build import write_report
 
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").is_file() else None)
-FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-)
-WIDTH, HEIGHT = 1280, 12000  # tall enough for the whole page; the blank bottom is cropped off the artifact
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium); the browser check needs it")
-
-
-def _chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", *args, page.as_uri()],
-        capture_output=True, text=True, timeout=90,
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"chromium {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return done
-
-
-def _text(dom: str) -> str:
-    """The page's visible-ish text: tags dropped, entities decoded, whitespace collapsed."""
-    body = re.sub(r"<(style|svg)\b.*?</\1>", " ", dom, flags=re.S | re.I)
-    return re.sub(r"\s+", " ", html_lib.unescape(re.sub(r"<[^>]+>", " ", body)))
 
 
 def _crop_blank_bottom(path: Path) -> tuple[int, int]:
@@ -69,11 +46,11 @@ def page(tmp_path_factory) -> Path:
 
 
 def test_chromium_shows_the_benchmark_figures(page, tmp_path):
-    dom = _chromium(page, tmp_path / "profile", "--dump-dom").stdout
+    dom = chromium(page, tmp_path / "profile", "--dump-dom").stdout
     assert "</html>" in dom and "<svg" in dom
-    text = _text(dom)
+    text = page_text(dom)
     section = dom[dom.index('<section id="bench">'):dom.index('<section id="provenance">')]
-    bench = _text(section)
+    bench = page_text(section)
     assert "sharegpt" in bench and "humaneval" in bench
     assert "2.37" in bench  # sharegpt: mean acceptance length
     assert "0.83×" in bench and "0.52×" in bench  # speedups, both below 1
@@ -95,7 +72,7 @@ def test_chromium_screenshot_is_kept_as_an_artifact(page, tmp_path):
     artifacts.mkdir(parents=True, exist_ok=True)
     shot = artifacts / "report.png"
     shot.unlink(missing_ok=True)
-    _chromium(page, tmp_path / "profile", f"--screenshot={shot}")
+    chromium(page, tmp_path / "profile", f"--screenshot={shot}")
     assert shot.read_bytes()[:8] == PNG_MAGIC
     width, height = _crop_blank_bottom(shot)
     assert width == WIDTH
