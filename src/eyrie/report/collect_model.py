@@ -21,6 +21,7 @@ import numpy as np
 from eyrie.core.artifacts import ArtifactError, read_json, read_safetensors_manifest
 from eyrie.core.digest import verify_recorded_files
 from eyrie.core.disk import free_space
+from eyrie.report.concurrency_section import concurrency_figures
 from eyrie.report.formats import fmt_num, show
 from eyrie.report.serve import serve_command, setting_command
 from eyrie.report.values import distinct, number, rate, warn
@@ -376,6 +377,7 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     # The sweep over drafting settings: absent from JSONs written before it existed, and null when bench.sweep is empty.
     sweep = data.get("sweep") if prompts and isinstance(data.get("sweep"), dict) else None
     row["sweep"] = _sweep_figures(sweep, row, config, drafter or data.get("drafter"), warnings) if sweep else None
+    row["concurrency"] = concurrency_figures(data.get("concurrency"), name, warnings)  # B requests at once; absent from older JSONs
     by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
     for p in row["per_prompt"]:
         p["ngram"] = by_id.get(str(p["id"]))

@@ -33,6 +33,7 @@ def draw(figures: dict[str, Any]) -> dict[str, Markup | None]:
         "bench_acceptance": _acceptance_plot(measured),
         "bench_positions": _positions_plot(measured),
         "bench_throughput": _throughput_plot(measured),
+        "bench_concurrency": {b["anchor"]: _concurrency_plot(b["concurrency"]) for b in figures["bench"]["rows"] if b.get("concurrency")},
     }
 
 
@@ -146,6 +147,32 @@ def _throughput_plot(rows: list[dict]) -> Markup | None:
     ax.set_ylabel("new tokens / s", fontsize=8)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
+    return _svg(fig)
+
+
+def _concurrency_plot(concurrency: dict) -> Markup | None:
+    """Speedup over batched greedy against B (log x), one line per setting; hollow markers where it was not lossless."""
+    curves = [c for c in concurrency["curves"] if any(p["speedup"] is not None for p in c["points"])]
+    if not curves:
+        return None
+    fig = _figure(5.2, 3.0)
+    ax = fig.add_subplot()
+    for i, curve in enumerate(curves):
+        points = [p for p in curve["points"] if p["speedup"] is not None]
+        colour = f"C{i % 10}"
+        ax.plot([p["batch"] for p in points], [p["speedup"] for p in points], color=colour, marker="o", markersize=4, label=curve["label"])
+        lossy = [p for p in points if p["lossless"] is False]
+        if lossy:
+            ax.plot([p["batch"] for p in lossy], [p["speedup"] for p in lossy], "o", markersize=8, markerfacecolor="white", color=colour)
+    ax.axhline(1.0, color="#666", linestyle=":", linewidth=1, label="batched greedy")
+    ax.set_xscale("log", base=2)
+    batches = concurrency["batches"]
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent requests B")
+    ax.set_ylabel("speedup over batched greedy", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
     return _svg(fig)
 
 
