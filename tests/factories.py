@@ -378,11 +378,13 @@ def tiny_family_config(family: str, *, vocab: int, hidden: int = 64, layers: int
 
 
 def tiny_family_target(family: str, directory: Path, tokenizer_dir: Path | None = None, *, vocab: int | None = None, seed: int = 0,
-                       norm_noise: float = 0.1) -> Path:
+                       norm_noise: float = 0.1, logit_scale: float = 1.0) -> Path:
     """tiny_family_config's target saved as an HF directory (safetensors), with the tokenizer of tokenizer_dir when given.
 
     Norm weights get noise: a random-init norm is all ones (or all zeros for Gemma's (1 + w)), which hides a norm copied
-    wrongly."""
+    wrongly. logit_scale multiplies the final norm's output, so the logits: at random init they are nearly flat (std
+    about 0.16 at hidden 64), a next-token distribution whose entropy is within a few hundredths of ln(vocabulary), so
+    nothing a drafter learns from it can show; a trained model's are peaked."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -394,6 +396,10 @@ def tiny_family_target(family: str, directory: Path, tokenizer_dir: Path | None 
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.add_(norm_noise * torch.randn_like(parameter))
+        if logit_scale != 1:
+            final_norm = model.get_decoder().norm
+            zero_centred = "Gemma" in type(final_norm).__name__  # Gemma's norm computes (1 + w) * x
+            final_norm.weight.copy_(logit_scale * (1 + final_norm.weight) - 1 if zero_centred else logit_scale * final_norm.weight)
     model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
