@@ -38,6 +38,18 @@ TOKENS_SCHEMA = pa.schema(
 WRITTEN_BY = "extract_hidden (tokenize_shard with hidden.mode online)"
 
 
+def turn_sample_id(record_id: str, turn: int) -> str:
+    """The id of the sample that trains one assistant turn (message index `turn`) of a record."""
+    return f"{record_id}#{turn}"
+
+
+def record_of(sample_id: str) -> str:
+    """The record a sample comes from: its id less a per-turn ``#<message index>`` suffix (one conversation's turns
+    share their earlier context, so whatever splits samples into sets must split records)."""
+    record, sep, turn = sample_id.rpartition("#")
+    return record if sep and turn.isdigit() else sample_id
+
+
 class TokenColumns(NamedTuple):
     """A shard's samples back to back: sample k is input_ids[offsets[k] : offsets[k + 1]]."""
 

@@ -21,7 +21,7 @@ from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.errors import ContractError
 from eyrie.generation.conversations import WRITTEN_BY as COMPLETIONS_WRITTEN_BY
 from eyrie.target.chat_template import parse_tools, tokenize_record
-from eyrie.tokens.shards import TOKENS_SCHEMA
+from eyrie.tokens.shards import TOKENS_SCHEMA, turn_sample_id
 
 MAX_EXAMPLES = 5
 
@@ -66,7 +66,7 @@ def tokenize_shard(*, completions_path: str, out_path: str, tokenizer, template_
             if tokens.truncated and len(cut_examples) < MAX_EXAMPLES:
                 cut_examples.append(record["id"])
             # A per-turn sample is named by its record and the message index of the turn it trains.
-            sample_id = record["id"] if tokens.turn is None else f"{record['id']}#{tokens.turn}"
+            sample_id = record["id"] if tokens.turn is None else turn_sample_id(record["id"], tokens.turn)
             turn_samples += tokens.turn is not None
             per_turn_tokens += len(tokens.input_ids) if tokens.turn is not None else 0
             rows.append(

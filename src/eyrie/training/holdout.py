@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 
+from eyrie.tokens.shards import record_of
+
 MIN_CACHE_SAMPLES = 20
 MAX_HELD_OUT = 256
 TRAINING_BATCHES = 4  # without held-out samples, the simulation runs on this many training batches
@@ -21,8 +23,9 @@ TRAINING_SOURCE = "training samples"
 
 
 def eval_unit(sample_id: str) -> float:
-    """A number in [0, 1) fixed by the sample id alone (sha256); salted so it is independent of the data stage's holdout and shards."""
-    return int.from_bytes(hashlib.sha256(f"eval:{sample_id}".encode()).digest()[:8], "big") / 2**64
+    """A number in [0, 1) fixed by the sample's record alone (sha256), so the per-turn samples of one conversation, which
+    share its earlier turns, fall on one side together; salted so it is independent of the data stage's holdout and shards."""
+    return int.from_bytes(hashlib.sha256(f"eval:{record_of(sample_id)}".encode()).digest()[:8], "big") / 2**64
 
 
 def held_out_indices(sample_ids: list[str], fraction: float) -> list[int]:
