@@ -56,6 +56,22 @@ def test_safetensors_are_readable_by_others_and_carry_their_manifest(tmp_path):
     assert read_safetensors_manifest(path) == {"format": "t"}
 
 
+def test_a_directory_written_by_a_library_is_readable_by_others(tmp_path):
+    """save_pretrained writes weights through safetensors' save_file, which creates 0600: a converted target under
+    resources/models must still be readable by a server running under another account."""
+    from safetensors.torch import save_file
+
+    def save(d):
+        save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+        (d / "sub").mkdir()
+        (d / "sub" / "config.json").write_text("{}")
+        (d / "sub" / "config.json").chmod(0o600)
+
+    write_directory_atomically(tmp_path / "model", save)
+    for name in ("model.safetensors", "sub/config.json"):
+        assert stat.S_IMODE((tmp_path / "model" / name).stat().st_mode) == 0o644, name
+
+
 def test_manifest_reader_names_the_file_for_garbage_and_for_a_foreign_file(tmp_path):
     garbage = tmp_path / "cut.safetensors"
     garbage.write_bytes(b"\xff" * 64)

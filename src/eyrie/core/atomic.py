@@ -49,6 +49,9 @@ def write_directory_atomically(path: str | Path, write: Callable[[Path], None]) 
     temporary.mkdir()
     try:
         write(temporary)
+        for written in temporary.rglob("*"):
+            if written.is_file() and not written.is_symlink():
+                os.chmod(written, READABLE)  # safetensors' save_file creates 0600 (a converted model's weights too)
         if path.exists():
             os.replace(path, old)
         os.replace(temporary, path)
