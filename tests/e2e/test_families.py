@@ -27,12 +27,9 @@ pytestmark = pytest.mark.e2e
 
 
 class BenchmarkFails(AssertionError):
-    """The family's benchmark (eyrie.decoding's engine) did not run, or not on the static engine."""
+    """The family's benchmark (eyrie.decoding's engine) did not run, or not on the static engine: a family the engine
+    cannot run yet is marked pytest.mark.xfail(strict=True, raises=BenchmarkFails, reason=<its error>)."""
 
-
-# Families whose benchmark the decoding engine cannot run yet, with the error it raises: strict, so the day it runs
-# them this test fails until the entry is removed.
-BENCHMARK_FAILS: dict[str, str] = {}
 
 EPOCHS = 4
 LOGIT_SCALE = 8.0  # peaked targets (tiny_family_target): what the drafter learns is clearly below chance
@@ -76,13 +73,7 @@ def family_runs(tmp_path_factory, shared_resources, model_dir):
         return dict(zip(FAMILIES, pool.map(run, FAMILIES)))
 
 
-def family_param(family):
-    if family not in BENCHMARK_FAILS:
-        return family
-    return pytest.param(family, marks=pytest.mark.xfail(strict=True, raises=BenchmarkFails, reason=BENCHMARK_FAILS[family]))
-
-
-@pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_stage_runs_for_the_family_and_the_drafter_learns(family, family_runs):
     from eyrie.tokens.vocab import load_draft_vocab
 
