@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -75,6 +79,56 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- SGLang's own argument parser
+
+SGLANG_VERSION = "0.5.23"
+
+
+class _Inert(types.ModuleType):
+    """Stands in for a GPU-only package: any attribute is another stand-in; as a decorator it returns its function."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        sub = _Inert(f"{self.__name__}.{name}")
+        setattr(self, name, sub)
+        return sub
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+
+@pytest.fixture(scope="module")
+def sglang_parser():
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip(f"sglang is not installed: pip install --no-deps sglang=={SGLANG_VERSION} orjson pybase64 msgspec pyzmq")
+    saved = {k: v for k, v in sys.modules.items() if k == "triton" or k.startswith("triton.") or k == "sglang" or k.startswith("sglang.")}
+    for name in ("triton", "triton.language", "triton.runtime", "triton.runtime.jit"):
+        if importlib.util.find_spec(name.split(".")[0]) is None or name in saved:
+            stub = _Inert(name)
+            stub.__path__ = []
+            stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            sys.modules.setdefault(name, stub)
+    package = types.ModuleType("sglang")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules.setdefault("sglang", package)
+    try:
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    except ImportError as err:
+        pytest.skip(f"sglang's server_args does not import here ({err}); install its small dependencies: orjson pybase64 msgspec pyzmq")
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    yield parser, SpeculativeAlgorithm
+    for name in [k for k in sys.modules if k in ("triton", "sglang") or k.startswith(("triton.", "sglang."))]:
+        del sys.modules[name]
+    sys.modules.update(saved)
 
 
 LOCAL_PROMPTS = [

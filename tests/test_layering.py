@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+TESTS = Path(__file__).resolve().parent
 
 LAYERS = {"core": 0, "target": 1, "drafter": 2, "decoding": 3}
 STAGES = ("data", "generation", "tokens", "hidden", "training", "bench", "report")  # the pipeline's order
@@ -183,3 +184,42 @@ def test_the_check_finds_a_circle_an_upward_import_a_stage_reaching_past_a_forma
     assert "eyrie.training.inputs imports the job driver eyrie.hidden.extract" in found
     assert any(v.startswith("eyrie.generation.conversations imports eyrie.tokens.shards: a stage reads only the stages before it") for v in found)
     assert not any("eyrie.hidden.cache: another stage" in v for v in found)  # a format module is fine
+
+
+# --------------------------------------------------------------------------- tests import factories, never each other
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """Where the file imports a test module (any dotted part named test_*): shared helpers belong in factories.py,
+    shared fixtures in conftest.py."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module or ''}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [f"{path}:{node.lineno} imports {name.strip('.')}" for name in names if any(part.startswith("test_") for part in name.split("."))]
+    return sorted(set(found))
+
+
+def test_no_test_module_imports_another():
+    files = sorted(TESTS.rglob("*.py"))
+    assert len(files) > 20, "no test files found"
+    assert [hit for path in files for hit in imported_test_modules(path)] == []
+
+
+def test_the_check_finds_each_way_of_importing_a_test_module(tmp_path):
+    source = tmp_path / "test_user.py"
+    source.write_text(
+        "import os\nfrom factories import tiny_llama\nfrom generation.test_openai_engine import STUB_SERVER\n"
+        "import test_plan\nfrom report import test_build\n\n\ndef f():\n    from .test_local import x  # lazily, relatively\n"
+    )
+    found = imported_test_modules(source)
+    assert [hit.split(":", 1)[1] for hit in found] == [
+        "3 imports generation.test_openai_engine", "3 imports generation.test_openai_engine.STUB_SERVER", "4 imports test_plan",
+        "5 imports report.test_build", "9 imports test_local", "9 imports test_local.x",
+    ]
+    source.write_text("import os\nfrom factories import tiny_llama\nfrom conftest import REPO\nimport testing_tools\n")
+    assert imported_test_modules(source) == []

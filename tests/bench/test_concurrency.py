@@ -7,8 +7,7 @@ import json
 import shlex
 
 import pytest
-from factories import random_drafter, tree_target
-from generation.test_sglang_server import sglang_argv, sglang_parser  # noqa: F401 - the fixture
+from factories import random_drafter, sglang_argv, tree_target
 from target.engine_sources import class_fields, function_from, sglang_file, vllm_file  # noqa: F401
 
 from eyrie.bench.concurrency import (ADAPTIVE_CONFIG_FILE, NO_SPECULATION, OFF_REASON, concurrency_block, recommend, sglang_adaptive_config,
@@ -83,7 +82,7 @@ def test_vllm_schedule_is_read_by_vllms_own_code():
     assert vllm_schedule([{"batch": 1, "recommended": None}]) is None  # no chain anywhere: serve without speculation
 
 
-def test_sglang_adaptive_tiers_are_read_by_sglangs_own_code(tmp_path, sglang_parser):  # noqa: F811
+def test_sglang_adaptive_tiers_are_read_by_sglangs_own_code(tmp_path, sglang_parser):
     import types
 
     from sglang.srt.arg_groups.speculative_hook import _init_adaptive_speculative_params

@@ -24,23 +24,14 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from factories import STUB_PROMPTS, STUB_SERVER, STUB_SETTINGS, run_shard, write_prompts
 
 from eyrie.core.errors import ConfigError
 from eyrie.generation.conversations import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, settings_key
 from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable
 from eyrie.generation.partial import PartialLog, logs_of
-from eyrie.generation.regenerate import regenerate_shard
-
-SETTINGS = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
-
-PROMPTS = [
-    ("a", [{"role": "user", "content": "Name a fruit."}, {"role": "user", "content": "And a vegetable?"}]),
-    ("b", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3+4?"}]),
-    ("e", [{"role": "user", "content": "Say no."}]),
-]
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -49,28 +40,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def write_prompts(path: Path, prompts) -> Path:
-    rows = [{"id": pid, "dataset": "t", "messages": msgs, "n_user_turns": sum(m["role"] == "user" for m in msgs)} for pid, msgs in prompts]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def run_shard(workdir: Path, engine, settings=SETTINGS, fingerprint="fp") -> dict:
-    return regenerate_shard(
-        prompts_path=str(workdir / "p.parquet"),
-        out_path=str(workdir / "c.parquet"),
-        partial_dir=str(workdir / "partial"),
-        dataset="t",
-        shard="0000",
-        settings=settings,
-        engine_settings={"max_batch_tokens": 2048, "max_batch_size": 4},
-        engine=engine,
-        model_fingerprint=fingerprint,
-        template_sha256="tpl",
-    )
 
 
 class ShardLog(PartialLog):
@@ -86,7 +55,7 @@ class ShardLog(PartialLog):
         return logs[0] if logs else self.folder / f"{self.key}.jsonl"
 
 
-def partial_log(workdir: Path, settings=SETTINGS, fingerprint="fp") -> PartialLog:
+def partial_log(workdir: Path, settings=STUB_SETTINGS, fingerprint="fp") -> PartialLog:
     return ShardLog(workdir, settings, fingerprint)
 
 
@@ -122,97 +91,7 @@ def stop(process: subprocess.Popen, sig=signal.SIGTERM) -> None:
         process.wait()
 
 
-# ---------------------------------------------------------------------------- the stub server
-
-STUB_SERVER = r'''
-"""An OpenAI-compatible stub: canned, deterministic replies ("reply to <last user text>"), fast."""
-import argparse, json, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-ap = argparse.ArgumentParser()
-ap.add_argument("--host", default="127.0.0.1")
-ap.add_argument("--port", type=int, required=True)
-ap.add_argument("--model", "--model-path", dest="model", default="stub-model")
-ap.add_argument("--delay", type=float, default=0.0)
-ap.add_argument("--fail-first", type=int, default=0)
-ap.add_argument("--fail-status", type=int, default=503)
-ap.add_argument("--context-words", type=int, default=10**9)
-ap.add_argument("--api-key", default=None)
-ap.add_argument("--requests-log", default=None)
-args, _unknown = ap.parse_known_args()  # the fake sglang.launch_server gets SGLang's flags too
-
-lock = threading.Lock()
-state = {"requests": 0, "in_flight": 0, "max_in_flight": 0}
-requests_log = open(args.requests_log, "a") if args.requests_log else None
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *a):
-        pass
-
-    def send(self, status, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        if self.path == "/health":
-            return self.send(200, {"status": "ok"})
-        if self.path == "/v1/models":
-            return self.send(200, {"object": "list", "data": [{"id": args.model, "object": "model"}]})
-        if self.path == "/stats":
-            with lock:
-                return self.send(200, dict(state))
-        self.send(404, {"detail": "not found"})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if args.api_key and self.headers.get("Authorization") != f"Bearer {args.api_key}":
-            return self.send(401, {"error": {"message": "bad api key"}})
-        with lock:
-            state["requests"] += 1
-            n = state["requests"]
-            state["in_flight"] += 1
-            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
-        try:
-            if n <= args.fail_first:
-                return self.send(args.fail_status, {"error": {"message": "busy, try again"}})
-            if body["model"] != args.model:
-                return self.send(400, {"error": {"message": f"model {body['model']!r} is not served"}})
-            messages = body["messages"]
-            words = sum(len(m["content"].split()) for m in messages)
-            if words > args.context_words:
-                return self.send(400, {"object": "error", "message": f"The input ({words} tokens) is longer than the model's context length ({args.context_words} tokens).", "code": 400})
-            if args.delay:
-                time.sleep(args.delay)
-            out = ["reply", "to"] + messages[-1]["content"].split()
-            reply = out[: body["max_tokens"]]
-            if requests_log:
-                with lock:
-                    requests_log.write(json.dumps({"messages": messages, "seed": body.get("seed")}) + "\n")
-                    requests_log.flush()
-            self.send(200, {
-                "id": f"stub-{n}", "object": "chat.completion", "model": args.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(reply)},
-                             "finish_reason": "length" if len(out) > len(reply) else "stop"}],
-                "usage": {"prompt_tokens": words, "completion_tokens": len(reply), "total_tokens": words + len(reply)},
-            })
-        finally:
-            with lock:
-                state["in_flight"] -= 1
-
-
-server = ThreadingHTTPServer((args.host, args.port), Handler)
-server.daemon_threads = True
-server.request_queue_size = 256
-print(f"stub listening on {args.host}:{args.port}", flush=True)
-server.serve_forever()
-'''
+# ---------------------------------------------------------------------------- the stub server (STUB_SERVER, tests/factories.py)
 
 
 @pytest.fixture(scope="module")
@@ -308,11 +187,11 @@ def test_local_prompt_check_matches_the_in_process_engine(tmp_path, stubs, token
 
 
 def test_retries_503_and_429_with_backoff_then_succeeds(tmp_path, stubs):
-    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "p.parquet", STUB_PROMPTS)
     for status in ("503", "429"):
         stub = stubs("--fail-first", "3", "--fail-status", status)
         workdir = tmp_path / status
-        write_prompts(workdir / "p.parquet", PROMPTS)
+        write_prompts(workdir / "p.parquet", STUB_PROMPTS)
         stats = run_shard(workdir, engine_for(stub.url, max_in_flight=1, max_retries=5))
         assert stats["records"] == 3 and stats["errors"] == 0
         assert stats["run"]["retries"] == 3 and stats["run"]["requests"] == 4 + 3
@@ -320,7 +199,7 @@ def test_retries_503_and_429_with_backoff_then_succeeds(tmp_path, stubs):
 
 def test_too_many_failures_stop_with_a_clear_error_and_keep_finished_turns(tmp_path, stubs):
     stub = stubs("--fail-first", "1000", "--fail-status", "500")
-    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "p.parquet", STUB_PROMPTS)
     with pytest.raises(ServerUnavailable, match=r"no answer after 3 attempts.*HTTP 500"):
         run_shard(tmp_path, engine_for(stub.url, max_in_flight=1))
     assert not (tmp_path / "c.parquet").exists()
@@ -329,7 +208,7 @@ def test_too_many_failures_stop_with_a_clear_error_and_keep_finished_turns(tmp_p
 def test_api_key_comes_from_the_named_variable_and_is_never_shown(tmp_path, stubs, monkeypatch):
     secret = "sk-test-" + "7" * 20
     stub = stubs("--api-key", secret)
-    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "p.parquet", STUB_PROMPTS)
     monkeypatch.setenv("EYRIE_TEST_KEY", secret)
     engine = engine_for(stub.url, api_key_env="EYRIE_TEST_KEY", api_key_required=True)
     assert secret not in repr(engine)
@@ -350,7 +229,7 @@ def test_api_key_comes_from_the_named_variable_and_is_never_shown(tmp_path, stub
 
 def test_wrong_model_name_is_refused_before_any_request(tmp_path, stubs):
     stub = stubs()
-    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "p.parquet", STUB_PROMPTS)
     with pytest.raises(ConfigError, match="serves"):
         run_shard(tmp_path, engine_for(stub.url, model="not-this-one"))
     assert stub.stats()["requests"] == 0
@@ -374,7 +253,7 @@ def test_several_servers_share_the_work_within_their_limits_and_time_is_wall_tim
 
 
 def test_no_server_is_a_clear_error(tmp_path):
-    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "p.parquet", STUB_PROMPTS)
     with pytest.raises(ServerUnavailable, match="no server became healthy"):
         run_shard(tmp_path, engine_for(f"http://127.0.0.1:{free_port()}", health_timeout_s=1))
 
@@ -418,7 +297,7 @@ def serve_engine(serve, **kw) -> OpenAIEngine:
 
 
 def test_shard_through_transformers_serve_has_the_in_process_engines_records(tmp_path, serve, model_dir):
-    write_prompts(tmp_path / "http" / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "http" / "p.parquet", STUB_PROMPTS)
     stats = run_shard(tmp_path / "http", serve_engine(serve))
     http = pq.read_table(tmp_path / "http" / "c.parquet")
 
@@ -427,7 +306,7 @@ def test_shard_through_transformers_serve_has_the_in_process_engines_records(tmp
     from eyrie.generation.transformers_engine import TransformersEngine
 
     torch.set_num_threads(2)
-    write_prompts(tmp_path / "local" / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "local" / "p.parquet", STUB_PROMPTS)
     run_shard(tmp_path / "local", TransformersEngine(str(model_dir)))
     local = pq.read_table(tmp_path / "local" / "c.parquet")
 
@@ -438,7 +317,7 @@ def test_shard_through_transformers_serve_has_the_in_process_engines_records(tmp
         assert [m["role"] for m in h["messages"]] == [m["role"] for m in l["messages"]]
         assert len(h["finish_reasons"]) == len(l["finish_reasons"])
         assert h["prompt_tokens"][0] == l["prompt_tokens"][0]  # the server renders the same template
-        assert all(0 < t <= SETTINGS["max_new_tokens"] for t in h["completion_tokens"])
+        assert all(0 < t <= STUB_SETTINGS["max_new_tokens"] for t in h["completion_tokens"])
         assert h["seconds"] >= 0
     # Turn 2 of "a" went out on the server's own first reply.
     a = http.to_pylist()[0]
@@ -502,7 +381,7 @@ def wait_for(condition, timeout: float) -> bool:
     return True
 
 
-def check_exactly_once(workdir: Path, prompts, turns: int, settings=SETTINGS) -> None:
+def check_exactly_once(workdir: Path, prompts, turns: int, settings=STUB_SETTINGS) -> None:
     records = pq.read_table(workdir / "c.parquet").to_pylist()
     assert sorted(r["id"] for r in records) == sorted(pid for pid, _ in prompts), "a prompt was lost or duplicated"
     assert sum(len(r["finish_reasons"]) for r in records) == turns
@@ -512,7 +391,7 @@ def check_exactly_once(workdir: Path, prompts, turns: int, settings=SETTINGS) ->
 
 def test_kill_9_at_random_moments_against_transformers_serve(tmp_path, serve):
     """kill -9 of the regenerating process: once while it starts, then at a random moment after each new row."""
-    settings = {**SETTINGS, "max_new_tokens": 2}
+    settings = {**STUB_SETTINGS, "max_new_tokens": 2}
     prompts = [
         ("m0", [{"role": "user", "content": "Name a colour."}, {"role": "user", "content": "Another one?"}]),
         ("m1", [{"role": "user", "content": "Name an animal."}]),
@@ -553,7 +432,7 @@ def test_kill_9_at_many_random_moments_against_a_stub_loses_only_requests_in_fli
     turns, in_flight = 80, 4
     write_prompts(tmp_path / "p.parquet", prompts)
     log = partial_log(tmp_path)
-    command = [sys.executable, "-c", DRIVER, str(tmp_path), stub.url, json.dumps(SETTINGS), str(in_flight)]
+    command = [sys.executable, "-c", DRIVER, str(tmp_path), stub.url, json.dumps(STUB_SETTINGS), str(in_flight)]
     rng = random.Random(7)
     history = []
     for round_ in range(10):

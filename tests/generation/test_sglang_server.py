@@ -5,20 +5,17 @@ group on return, exception, SIGTERM and kill -9 of the job) holds.
 
 SGLang cannot run here (its install pulls GBs of CUDA packages). Its argument parser can:
 `pip install --no-deps sglang==0.5.23 orjson pybase64 msgspec pyzmq`. Two things are stubbed,
-inside `sglang_parser()` only: `triton` (~1 GB; server_args -> sglang.srt.utils imports it at the
+inside the `sglang_parser` fixture (tests/conftest.py) only: `triton` (~1 GB; server_args -> sglang.srt.utils imports it at the
 top and only uses it for GPU kernels) is replaced by an inert module, and sglang's top-level
 `__init__` (which imports the whole runtime) is skipped by registering the package by path, so
 `sglang.srt.server_args` is imported directly. Without sglang installed these tests skip.
 
-The lifecycle tests launch a fake `sglang.launch_server` (the stub OpenAI server of
-test_openai_engine, found first on PYTHONPATH), through exactly the command eyrie builds.
+The lifecycle tests launch a fake `sglang.launch_server` (tests/factories.py's STUB_SERVER, the stub
+OpenAI server, found first on PYTHONPATH), through exactly the command eyrie builds.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.machinery
-import importlib.util
 import json
 import os
 import re
@@ -26,74 +23,21 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from generation.test_openai_engine import PROMPTS, STUB_SERVER, run_shard, write_prompts
+from factories import STUB_PROMPTS, STUB_SERVER, run_shard, sglang_argv, write_prompts
 
 from eyrie.core.errors import ConfigError
 from eyrie.generation.sglang_server import managed_server, shared_server
 from eyrie.target.serving import command_from_config, launch_command
-
-SGLANG_VERSION = "0.5.23"
-
-
-class _Inert(types.ModuleType):
-    """Stands in for a GPU-only package: any attribute is another stand-in; as a decorator it returns its function."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = _Inert(f"{self.__name__}.{name}")
-        setattr(self, name, sub)
-        return sub
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda fn: fn
-
-
-@pytest.fixture(scope="module")
-def sglang_parser():
-    spec = importlib.util.find_spec("sglang")
-    if spec is None:
-        pytest.skip(f"sglang is not installed: pip install --no-deps sglang=={SGLANG_VERSION} orjson pybase64 msgspec pyzmq")
-    saved = {k: v for k, v in sys.modules.items() if k == "triton" or k.startswith("triton.") or k == "sglang" or k.startswith("sglang.")}
-    for name in ("triton", "triton.language", "triton.runtime", "triton.runtime.jit"):
-        if importlib.util.find_spec(name.split(".")[0]) is None or name in saved:
-            stub = _Inert(name)
-            stub.__path__ = []
-            stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            sys.modules.setdefault(name, stub)
-    package = types.ModuleType("sglang")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
-    sys.modules.setdefault("sglang", package)
-    try:
-        from sglang.srt.server_args import ServerArgs
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    except ImportError as err:
-        pytest.skip(f"sglang's server_args does not import here ({err}); install its small dependencies: orjson pybase64 msgspec pyzmq")
-    parser = argparse.ArgumentParser(prog="sglang.launch_server")
-    ServerArgs.add_cli_args(parser)
-    yield parser, SpeculativeAlgorithm
-    for name in [k for k in sys.modules if k in ("triton", "sglang") or k.startswith(("triton.", "sglang."))]:
-        del sys.modules[name]
-    sys.modules.update(saved)
 
 
 def write_drafter(path: Path, architecture: str = "LlamaForCausalLMEagle3") -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"architectures": [architecture], "draft_vocab_size": 2048}))
     return path
-
-
-def sglang_argv(command: list[str]) -> list[str]:
-    assert command[1:3] == ["-m", "sglang.launch_server"]
-    return command[3:]
 
 
 def test_baseline_and_eagle3_commands_parse_with_sglangs_own_parser(tmp_path, sglang_parser):
@@ -169,7 +113,7 @@ def started_pid(text: str) -> int:
 def test_managed_server_regenerates_and_always_stops(tmp_path, fake_sglang, capsys):
     from eyrie.generation.openai_engine import OpenAIEngine
 
-    write_prompts(tmp_path / "p.parquet", PROMPTS)
+    write_prompts(tmp_path / "p.parquet", STUB_PROMPTS)
     log = tmp_path / "logs" / "sglang" / "t" / "0000.log"
     command = lambda port: launch_command("stub-model", port)  # noqa: E731
     with managed_server(command, log, startup_timeout_s=30, env=fake_sglang) as url:

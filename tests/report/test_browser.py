@@ -1,6 +1,6 @@
 """The report as a browser shows it: Debian's headless Chromium opens report.html and renders the benchmark.
 
-The page is rendered from the fake stage outputs of test_report.py (front half and back half), dumped as
+The page is rendered from the report's fake stage outputs in tests/factories.py (front half and back half), dumped as
 Chromium's DOM and photographed. The screenshot is kept as a test artifact under $EYRIE_TEST_ARTIFACTS
 (default: the test's tmp_path) so a person can look at it.
 """
@@ -13,8 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from factories import CHROMIUM, HEIGHT, WIDTH, chromium, page_text
-from report.test_build import _back_half, _inputs
+from factories import CHROMIUM, HEIGHT, WIDTH, chromium, page_text, report_back_half, report_inputs
 
 from eyrie.report.build import write_report
 
@@ -39,9 +38,9 @@ def _crop_blank_bottom(path: Path) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def page(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("browser")
-    config, summaries, completions, tokens = _inputs(root)
+    config, summaries, completions, tokens = report_inputs(root)
     out = root / "report.html"
-    write_report(config, summaries, completions, tokens, str(out), **_back_half(root))
+    write_report(config, summaries, completions, tokens, str(out), **report_back_half(root))
     return out
 
 

@@ -9,124 +9,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from factories import (
+    REPORT_BENCH, REPORT_DROPPED, REPORT_HIDDEN, REPORT_HIDDEN_SHARDS, REPORT_SHA, REPORT_VOCAB_COUNTS, REPORT_XSS, report_back_half, report_config, report_inputs, report_summary, save_report_safetensors,
+)
 
-from eyrie.tokens.shards import TOKENS_SCHEMA
-from eyrie.generation.conversations import COMPLETIONS_SCHEMA
 from eyrie.report.build import collect, write_report
 
-SHA_A = "a" * 64
 SHA_B = "b" * 64
-SETTINGS = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 1536, "seed": 0}
-XSS = "<script>alert(1)</script>"
-
-COMPLETION_SCHEMA = COMPLETIONS_SCHEMA  # the schemas the stages write
-TOKEN_SCHEMA = TOKENS_SCHEMA
-
-# (id, first user message, completion tokens per turn, prompt tokens per turn, finish reason per turn, seconds)
-COMPLETIONS = {
-    ("chat", "0000"): [
-        ("c1", '<b>bold & "quoted"</b>', [100, 50], [20, 180], ["stop", "stop"], 1.5),
-        ("c2", "hello", [64], [30], ["length"], 0.5),
-        ("c3", "long one", [200, 0], [40, 1600], ["stop", "prompt_too_long"], 2.0),
-    ],
-    ("chat", "0001"): [],  # an empty shard
-    ("sharegpt", "0000"): [
-        ("s1", "hi", [64, 64], [10, 90], ["length", "length"], 1.0),
-        ("s2", "yo", [64], [12], ["length"], 0.6),
-    ],
-    ("sharegpt", "0001"): [("s3", "hey", [30], [15], ["stop"], 0.4)],
-}
-# (id, n_tokens, n_assistant_tokens, truncated)
-TOKENS = {
-    ("chat", "0000"): [("c1", 400, 150, False), ("c2", 120, 64, False), ("c3", 300, 200, True)],
-    ("chat", "0001"): [],
-    ("sharegpt", "0000"): [("s1", 240, 128, False), ("s2", 90, 64, False)],
-    ("sharegpt", "0001"): [("s3", 60, 30, False)],
-}
-DROPPED = {("chat", "0000"): {"empty": 1}, ("sharegpt", "0001"): {"no_assistant": 2, "empty": 1}}
-
-
-def _config() -> dict:
-    return {
-        "model": {"name": "tiny-llama", "path": "/models/tiny-llama", "dtype": "auto", "device": "auto", "trust_remote_code": False},
-        "datasets": {
-            "chat": {"source": {"file": "data/chat.jsonl"}, "format": "openai", "limit": None, "shards": 2, "heldout_fraction": 0.05, "on_bad_record": "error"},
-            "sharegpt": {"source": {"file": "data/sg.json"}, "format": "sharegpt", "limit": 100, "shards": 2, "heldout_fraction": 0.05,
-                         "on_bad_record": "skip", "generation": {"max_new_tokens": 64}},
-        },
-        "generation": dict(SETTINGS),
-        "engine": {"max_batch_tokens": 8192, "max_batch_size": 32},
-        "tokenize": {"max_seq_len": 2048},
-        "plan": {"guess_tokens_per_second": 50, "guess_completion_tokens": 300},
-    }
-
-
-def _summary(dataset: str) -> dict:
-    base = {"dataset": dataset, "format": "openai", "duplicates": 0, "limit": None, "roles_seen": {"user": 3, "assistant": 3}}
-    if dataset == "chat":
-        return {**base, "source": "data/chat.jsonl", "records_read": 3, "bad_records": {}, "bad_examples": [], "usable": 3,
-                "used": 3, "heldout": 0, "train": 3, "shards": {"0000": 3, "0001": 0}, "truncation": None}
-    return {**base, "source": "data/sg.json", "format": "sharegpt", "records_read": 783, "duplicates": 2, "limit": 100,
-            "bad_records": {"missing_value": 2, "unknown_role": 1}, "bad_examples": [f"line 4: value {XSS}", "line 9: role 'robot'"],
-            "usable": 778, "used": 3, "heldout": 0, "train": 3, "shards": {"0000": 2, "0001": 1},
-            "truncation": {"byte_offset": 123456, "line": 789, "records_before": 780}, "roles_seen": {"human": 780, "gpt": 779, "robot": 1}}
-
-
-def _completion_table(dataset: str, shard: str, rows: list, template: str, kept_replies: bool = False) -> pa.Table:
-    records = [
-        {
-            "id": rid, "dataset": dataset,
-            "messages": [m for i, n in enumerate(comp) for m in ({"role": "user", "content": user if i == 0 else "more"}, {"role": "assistant", "content": "x" * n})],
-            "n_turns": len(comp), "finish_reason": why[-1], "finish_reasons": why,
-            "prompt_tokens": prompt, "completion_tokens": comp, "seconds": secs,
-        }
-        for rid, user, comp, prompt, why, secs in rows
-    ]
-    settings = dict(SETTINGS, max_new_tokens=64 if dataset == "sharegpt" else 256, **({"replies": "source"} if kept_replies else {}))
-    stats = {"records": len(rows), "turns": sum(len(r[2]) for r in rows), "completion_tokens": sum(sum(r[2]) for r in rows),
-             "prompt_tokens": sum(sum(r[3]) for r in rows), "generation_seconds": sum(r[5] for r in rows),
-             "tokens_per_second": 0.0, "finish_reasons": {}, "resumed_turns": 0}
-    meta = {"dataset": dataset, "shard": shard, "settings": settings, "model_fingerprint": "f" * 64, "template_sha256": template, "stats": stats}
-    return pa.Table.from_pylist(records, schema=COMPLETION_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
-
-
-def _token_table(dataset: str, shard: str, rows: list, template: str) -> pa.Table:
-    records = [
-        {"id": rid, "dataset": dataset, "input_ids": list(range(n)), "loss_mask": [1] * a + [0] * (n - a),
-         "n_tokens": n, "n_assistant_tokens": a, "truncated": trunc}
-        for rid, n, a, trunc in rows
-    ]
-    dropped = DROPPED.get((dataset, shard), {})
-    stats = {"records": len(rows), "truncated": sum(r[3] for r in rows), "dropped": dropped,
-             "tokens": sum(r[1] for r in rows), "assistant_tokens": sum(r[2] for r in rows)}
-    meta = {"dataset": dataset, "shard": shard, "template_sha256": template, "max_seq_len": 2048, "stats": stats}
-    return pa.Table.from_pylist(records, schema=TOKEN_SCHEMA).replace_schema_metadata({b"eyrie": json.dumps(meta).encode()})
-
-
-def _inputs(root: Path, token_templates: dict | None = None, kept_replies: tuple[str, ...] = ()) -> tuple[dict, list[str], list[str], list[str]]:
-    """Fake stage outputs under root/results; token_templates overrides a token shard's template_sha256."""
-    summaries, completions, tokens = [], [], []
-    for dataset in ("chat", "sharegpt"):
-        path = root / "results" / "prompts" / dataset / "summary.json"
-        path.parent.mkdir(parents=True)
-        path.write_text(json.dumps(_summary(dataset)))
-        summaries.append(str(path))
-    for (dataset, shard), rows in COMPLETIONS.items():
-        path = root / "results" / "completions" / dataset / f"{shard}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(_completion_table(dataset, shard, rows, SHA_A, dataset in kept_replies), path)
-        completions.append(str(path))
-    for (dataset, shard), rows in TOKENS.items():
-        path = root / "results" / "tokens" / dataset / f"{shard}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        template = (token_templates or {}).get((dataset, shard), SHA_A)
-        pq.write_table(_token_table(dataset, shard, rows, template), path)
-        tokens.append(str(path))
-    return _config(), summaries, completions, tokens
 
 
 def _write(tmp_path: Path, **kwargs) -> str:
-    config, summaries, completions, tokens = _inputs(tmp_path, **kwargs)
+    config, summaries, completions, tokens = report_inputs(tmp_path, **kwargs)
     out = tmp_path / "out" / "report.html"
     write_report(config, summaries, completions, tokens, str(out))
     return out.read_text(encoding="utf-8")
@@ -174,7 +67,7 @@ def test_regeneration_numbers(html):
 
 
 def test_a_dataset_that_kept_its_source_replies_says_so_and_a_config_that_no_longer_does_is_warned(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path, kept_replies=("sharegpt",))
+    config, summaries, completions, tokens = report_inputs(tmp_path, kept_replies=("sharegpt",))
     config["datasets"]["sharegpt"]["replies"] = "source"
     write_report(config, summaries, completions, tokens, str(tmp_path / "kept.html"))
     page = (tmp_path / "kept.html").read_text(encoding="utf-8")
@@ -221,7 +114,7 @@ def test_provenance_has_no_environment(tmp_path, monkeypatch):
 
 
 def test_collect_totals_equal_input_sums(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path)
+    config, summaries, completions, tokens = report_inputs(tmp_path)
     figures = collect(config, summaries, completions, tokens)
     comp = pa.concat_tables(pq.read_table(p) for p in completions)
     toks = pa.concat_tables(pq.read_table(p) for p in tokens)
@@ -238,8 +131,8 @@ def test_collect_totals_equal_input_sums(tmp_path):
     assert tok["tokens"] == sum(toks["n_tokens"].to_pylist())
     assert tok["assistant_tokens"] == sum(toks["n_assistant_tokens"].to_pylist())
     assert tok["truncated"] == sum(toks["truncated"].to_pylist()) == 1
-    assert tok["dropped_total"] == sum(sum(d.values()) for d in DROPPED.values())
-    assert figures["datasets"]["total"]["records_read"] == sum(_summary(d)["records_read"] for d in ("chat", "sharegpt"))
+    assert tok["dropped_total"] == sum(sum(d.values()) for d in REPORT_DROPPED.values())
+    assert figures["datasets"]["total"]["records_read"] == sum(report_summary(d)["records_read"] for d in ("chat", "sharegpt"))
     assert figures["datasets"]["total"]["bad_total"] == 3
     lengths = {d["name"]: d["lengths"]["turns"] for d in figures["regeneration"]["datasets"]}
     assert lengths == {"chat": 4, "sharegpt": 4}  # chat's prompt_too_long turn is not a length
@@ -250,16 +143,16 @@ def test_collect_totals_equal_input_sums(tmp_path):
 
 def test_renders_with_nothing_built(tmp_path):
     out = tmp_path / "report.html"
-    write_report(_config(), [], [], [], str(out))
+    write_report(report_config(), [], [], [], str(out))
     html = out.read_text()
     assert "Completions not built yet." in html and "Tokens not built yet." in html
     assert "prompts not built yet" in html
 
 
 def test_a_synthetic_dataset_shows_what_the_target_wrote_kept_and_dropped_with_escaped_examples(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path)
+    config, summaries, completions, tokens = report_inputs(tmp_path)
     made = {"count": 10, "samples": 16, "kept": 9, "too_long": 3, "empty": 1, "too_short": 0, "duplicates": 2, "unused": 1,
-            "topics": ["Python functions"], "topic_as": "system", "examples": [{"topic": "Python functions", "text": f"How do I {XSS}?"}]}
+            "topics": ["Python functions"], "topic_as": "system", "examples": [{"topic": "Python functions", "text": f"How do I {REPORT_XSS}?"}]}
     summary = json.loads(Path(summaries[0]).read_text())
     Path(summaries[0]).write_text(json.dumps({**summary, "synthetic": made}))
     out = tmp_path / "report.html"
@@ -267,12 +160,12 @@ def test_a_synthetic_dataset_shows_what_the_target_wrote_kept_and_dropped_with_e
     html = out.read_text()
     assert "synthetic prompts written by the target: 16 generated, 9 kept of 10 asked, dropped: duplicates&nbsp;2, empty&nbsp;1, too_long&nbsp;3" in html
     assert "short of the count" in html and "steered by topic (system): Python functions" in html
-    assert "How do I &lt;script&gt;alert(1)&lt;/script&gt;?" in html and f"How do I {XSS}" not in html
+    assert "How do I &lt;script&gt;alert(1)&lt;/script&gt;?" in html and f"How do I {REPORT_XSS}" not in html
     assert collect(config, summaries, completions, tokens)["datasets"]["rows"][1]["synthetic"] is None  # a file dataset has none
 
 
 def test_a_rework_dataset_says_how_many_replies_it_handed_back_and_what_it_skipped(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path)
+    config, summaries, completions, tokens = report_inputs(tmp_path)
     summary = json.loads(Path(summaries[0]).read_text())
     counts = {"records_read": 1200, "made": 1000, "heldout_skipped": 24, "without_text": 176, "instructions": 8}
     Path(summaries[0]).write_text(json.dumps({**summary, "rework": counts}))
@@ -286,7 +179,7 @@ def test_a_rework_dataset_says_how_many_replies_it_handed_back_and_what_it_skipp
 
 
 def test_unreadable_inputs_are_reported_not_fatal(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path)
+    config, summaries, completions, tokens = report_inputs(tmp_path)
     broken = tmp_path / "results" / "completions" / "chat" / "0002.parquet"
     broken.write_bytes(b"not parquet")
     bad_json = tmp_path / "bad_summary.json"
@@ -299,179 +192,12 @@ def test_unreadable_inputs_are_reported_not_fatal(tmp_path):
     assert "103.5" in html  # the readable shards still count
 
 
-# ---------------------------------------------------------------- back half: vocab, hidden, drafter, bench
-
-HIDDEN = 64  # 8H+5 = 517 bytes per token in bf16
-LAYERS = 8
-AUX = [1, 3, 4]  # SGLang convention for 8 layers: [1, N//2-1, N-4]
-TARGET_FP = "c" * 64
-VOCAB_COUNTS = [0] * 24 + [50, 30, 10, 5, 3, 2]  # 30-token target vocab, 6 distinct assistant tokens
-# (dataset, shard): (samples, tokens, assistant tokens, file bytes)
-HIDDEN_SHARDS = {
-    ("chat", "0000"): (3, 820, 414, 440_000),
-    ("sharegpt", "0000"): (2, 330, 192, 178_000),
-    ("sharegpt", "0001"): (1, 60, 30, 34_000),
-}
-TTT = 3
-LOG = [  # training_log.json entries as eyrie.training.train writes them
-    {"step": s, "epoch": s / 20, "lr": 3e-4, "loss": loss, "loss_per_step": [loss * 0.8, loss, loss * 1.2],
-     "acc_per_step": acc, "positions_per_step": [100, 90, 80], "tokens_per_second": 900.0}
-    for s, loss, acc in [(10, 4.0, [0.2, 0.1, None]), (20, 3.0, [0.4, 0.3, 0.2]), (30, 2.5, [0.5, 0.4, 0.3]),
-                         (40, 2.2, [0.55, 0.45, 0.35]), (50, 2.1, [0.6, 0.5, 0.4])]
-]
-BENCH = {
-    "sharegpt": {  # measured, slower than plain greedy, lossless
-        "mean_acceptance_length": 2.37, "acceptance_rate_per_position": [0.71, 0.42, 0.18, 0.06], "rounds": 270,
-        "greedy_tokens_per_s": 52.4, "spec_tokens_per_s": 43.5, "speedup": 43.5 / 52.4, "lossless": True, "prompts": 2, "error": None,
-        "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.4},
-                       {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 2.3}],
-        "speedup_over_ngram": 43.5 / 40.1,
-        "outside_draft_vocab": {"new_tokens": 640, "outside": 12, "fraction": 12 / 640, "prompts_with_any": 1,
-                                "most_common": [{"id": 27, "text": " dove", "count": 9}, {"id": 28, "text": None, "count": 3}]},
-        "float32_check": {"dtype": "float32", "checked": 2, "identical": 2, "different": [], "lossless": True},
-        "agreement_in_timing_dtype": {"dtype": "bfloat16", "identical": 1, "checked": 2, "largest_margin_at_divergence": 0.0712},
-        "floor": {"prompt": "s9", "prompt_tokens": 40, "new_tokens": 256, "compiled": True, "floor_ms_per_token": 1.475,
-                  "greedy_ms_per_token": 1.716, "ratio": 1.716 / 1.475, "capture_failures": [], "error": None},
-        "parity": {"k": 4, "simulated": 2.6, "form": "walked_length", "measured": 2.37, "interval": [2.2, 2.55], "gap": 1 - 2.37 / 2.6,
-                   "max_gap": 0.15,
-                   "judged": True, "not_judged_because": None,
-                   "source": "held-out cache samples", "eval_samples": 12, "error": None,
-                   "heldout_prompts": {"measured": 2.37, "simulated": 2.5, "form": "walked_first_turn_length", "gap": 1 - 2.37 / 2.5,
-                                       "dataset": "sharegpt", "eval_samples": 9}},
-        "ngram": {  # the prompt-lookup baseline beside the drafter
-            "method": "prompt lookup", "max_ngram": 3, "min_ngram": 1, "draft_tokens": 4, "mean_acceptance_length": 1.42,
-            "acceptance_rate_per_position": [0.305, 0.087, 0.021, 0.007], "rounds": 450, "tokens_per_s": 40.1, "speedup": 40.1 / 52.4,
-            "lossless": True, "new_tokens": 640,
-            "by_draft_tokens": [{"draft_tokens": 4, "mean_acceptance_length": 1.42, "tokens_per_s": 40.1, "speedup": 40.1 / 52.4, "lossless": True},
-                                {"draft_tokens": 8, "mean_acceptance_length": 1.61, "tokens_per_s": 37.2, "speedup": 37.2 / 52.4, "lossless": True}],
-            "per_prompt": [{"id": "s9", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.57, "tokens_per_s": 41.3},
-                           {"id": "s8", "identical": True, "first_divergence": None, "acceptance_length_mean": 1.29, "tokens_per_s": 38.9}],
-        },
-    },
-}
-BENCH["sharegpt"]["sweep"] = {  # the drafting settings measured beside the main chain; a tree is the fastest lossless one
-    "lossless_checked_in": "float32",
-    "settings": [
-        {"label": "chain 3", "steps": 3, "topk": 1, "draft_tokens": 4, "mean_acceptance_length": 2.2, "acceptance_rate_per_depth": [0.7, 0.4, 0.1],
-         "rounds": 290, "new_tokens": 640, "tokens_per_s": 41.0, "speedup": 41.0 / 52.4, "speedup_over_ngram": 41.0 / 40.1, "lossless": True,
-         "different": [], "per_prompt": [{"id": "s9", "identical": True}, {"id": "s8", "identical": True}]},
-        {"label": "tree 5-4-8", "steps": 5, "topk": 4, "draft_tokens": 8, "mean_acceptance_length": 2.91, "acceptance_rate_per_depth": [0.8, 0.55, 0.3, 0.2, 0.06],
-         "rounds": 220, "new_tokens": 640, "tokens_per_s": 47.9, "speedup": 47.9 / 52.4, "speedup_over_ngram": 47.9 / 40.1, "lossless": True,
-         "different": [], "per_prompt": [{"id": "s9", "identical": True, "tokens_per_s": 39.0, "acceptance_length_mean": 2.8},  # the n-gram: 41.3
-                                         {"id": "s8", "identical": True, "tokens_per_s": 50.0, "acceptance_length_mean": 3.0}],  # 38.9
-         "speedup_interval": [0.85, 0.97],
-         "speedup_over_ngram_interval": [1.08, 1.31]},
-    ],
-    "main": {"label": "chain 4 (bench.draft_tokens)", "steps": 4, "topk": 1, "draft_tokens": 5, "mean_acceptance_length": 2.37, "tokens_per_s": 43.5,
-             "speedup": 43.5 / 52.4, "speedup_over_ngram": 43.5 / 40.1, "lossless": True},
-    "best": {"label": "tree 5-4-8", "steps": 5, "topk": 4, "draft_tokens": 8, "mean_acceptance_length": 2.91, "tokens_per_s": 47.9,
-             "speedup": 47.9 / 52.4, "speedup_over_ngram": 47.9 / 40.1, "lossless": True, "main_chain": False,
-             "within_noise": ["chain 4 (bench.draft_tokens)"]},
-    "sglang_flags": "--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8",
-}
-BENCH.update({
-    "humaneval": {  # measured, the drafter not engaged: an error, and one prompt diverged
-        "mean_acceptance_length": 1.013, "acceptance_rate_per_position": [0.013, 0.0, 0.0, 0.0], "rounds": 500,
-        "greedy_tokens_per_s": 60.0, "spec_tokens_per_s": 31.0, "speedup": 31.0 / 60.0, "lossless": False, "prompts": 4,
-        "error": "mean acceptance length 1.013 over 500 rounds is below bench.min_acceptance_length 1.05: the drafter is not engaged",
-        "per_prompt": [{"id": f"HumanEval/{i}", "identical": i != 2, "first_divergence": 17 if i == 2 else None, "acceptance_length_mean": 1.0}
-                       for i in range(4)],
-    },
-    "chat": {"mean_acceptance_length": None, "acceptance_rate_per_position": [], "rounds": 0, "greedy_tokens_per_s": None,
-             "spec_tokens_per_s": None, "speedup": None, "lossless": True, "prompts": 0, "error": None, "per_prompt": []},
-})
-
-
-def _save_safetensors(path: Path, tensors: dict, manifest: dict) -> str:
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"manifest": json.dumps(manifest)})
-    return str(path)
-
-
-def _hidden_manifest(samples: int, tokens: int, assistant: int, file_bytes: int, **override) -> dict:
-    manifest = {
-        "format": "eyrie-hidden/1", "aux_layer_ids": AUX, "capture_indices": [i + 1 for i in AUX], "num_hidden_layers": LAYERS,
-        "hidden_size": HIDDEN, "target_model_fingerprint": TARGET_FP, "template_sha256": SHA_A, "dtype": "bfloat16",
-        "compute_dtype": "float32", "samples": samples, "tokens": tokens, "assistant_tokens": assistant,
-        "file_bytes": file_bytes, "bytes_per_token": round(file_bytes / tokens, 3),
-    }
-    return {**manifest, **override}
-
-
-def _drafter_config(template: str = SHA_A, aux: list | None = None) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1, "hidden_size": HIDDEN,
-        "intermediate_size": 4 * HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(VOCAB_COUNTS),
-        "draft_vocab_size": 8, "target_hidden_size": HIDDEN, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux or AUX, "use_aux_hidden_state": True},
-        "eyrie": {
-            "template_sha256": template, "target_fingerprint": TARGET_FP, "drafter": {"ttt_steps": TTT},
-            "train": {"epochs": 2.5, "learning_rate": 3e-4, "batch_tokens": 4096},
-            "vocab": {"draft_vocab_size": 8, "requested_draft_vocab_size": 8, "coverage": 1.0, "clipped": True},
-            "metrics": {"accuracy_per_step": [0.612, 0.503, 0.391], "loss_per_step": [1.6, 2.1, 2.5], "loss": 2.15, "over_steps": [30, 50],
-                        "steps": 50, "samples": 6, "tokens": 1210, "seconds": 12.5, "tokens_per_second": 96.8},
-            "simulated_acceptance": {"eval_samples": 12, "copy": {"positions": 41, "drafter_accepted": [0.8, 1.1, 1.3], "lookup_accepted": 5.9,
-                                                                  "lookup_k": 8, "min_lookup_drafts": 3}},
-        },
-    }
-
-
-def _back_half(root: Path, *, hidden_override: dict | None = None, drafter_template: str = SHA_A, drafter_aux: list | None = None,
-               ngram: dict | None = None, sweep: dict | None = None) -> dict:
-    """Fake back-half outputs under root/results, as write_report's keyword arguments.
-
-    ngram: per benchmark, a replacement n-gram block; {name: None} writes that JSON as before the baseline existed.
-    sweep: per benchmark, a replacement sweep block; {name: None} writes that JSON as before the sweep existed.
-    """
-    import torch
-
-    counts = torch.tensor(VOCAB_COUNTS, dtype=torch.int64)
-    kept = torch.cat([torch.tensor([0, 1]), torch.nonzero(counts).flatten()])  # the 6 seen ids padded to 8, as build_vocab does
-    t2d = torch.zeros(len(VOCAB_COUNTS), dtype=torch.bool)
-    t2d[kept] = True
-    vocab = _save_safetensors(
-        root / "results" / "vocab" / "draft_vocab.safetensors",
-        {"d2t": kept - torch.arange(len(kept)), "t2d": t2d, "counts": counts, "draft_ids": kept},
-        {"draft_vocab_size": 8, "requested_draft_vocab_size": 8, "target_vocab_size": len(VOCAB_COUNTS), "assistant_tokens": 100,
-         "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": SHA_A, "clipped": True, "unseen_padding": 2, "shards": 4},
-    )
-    hidden = []
-    for (dataset, shard), numbers in HIDDEN_SHARDS.items():
-        override = (hidden_override or {}).get((dataset, shard), {})
-        path = root / "results" / "hidden" / dataset / f"{shard}.safetensors"
-        hidden.append(_save_safetensors(path, {"offsets": torch.zeros(numbers[0] + 1, dtype=torch.int64)}, _hidden_manifest(*numbers, **override)))
-    hidden.append(str(root / "results" / "hidden" / "chat" / "0001.safetensors"))  # not built yet
-    drafter = root / "results" / "drafter"
-    drafter.mkdir(parents=True)
-    (drafter / "config.json").write_text(json.dumps(_drafter_config(drafter_template, drafter_aux)))
-    (drafter / "training_log.json").write_text(json.dumps(LOG))
-    (drafter / "model.safetensors").write_bytes(b"\0" * 4321)
-    bench = []
-    for name, result in BENCH.items():
-        path = root / "results" / "bench" / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if name in (ngram or {}):
-            result = {k: v for k, v in result.items() if k not in ("ngram", "speedup_over_ngram")}
-            if ngram[name] is not None:
-                result.update(ngram=ngram[name], speedup_over_ngram=result["spec_tokens_per_s"] / ngram[name]["tokens_per_s"])
-        if name in (sweep or {}):
-            result = {k: v for k, v in result.items() if k != "sweep"}
-            if sweep[name] is not None:
-                result["sweep"] = sweep[name]
-        meta = {"benchmark": name, "draft_tokens": 4, "max_new_tokens": 128, "min_acceptance_length": 1.05, "dtype": "float32",
-                "device": "cpu", "hardware": "CPU: test machine", "torch": "2.0", "template_sha256": SHA_A, "new_tokens": 640}
-        path.write_text(json.dumps({**meta, **result}))
-        bench.append(str(path))
-    bench.append(str(root / "results" / "bench" / "missing.json"))  # not built yet
-    return {"vocab": vocab, "hidden": hidden, "drafter": str(drafter), "bench": bench}
 
 
 def _write_full(root: Path, **kwargs) -> str:
-    config, summaries, completions, tokens = _inputs(root)
+    config, summaries, completions, tokens = report_inputs(root)
     out = root / "out" / "report.html"
-    write_report(config, summaries, completions, tokens, str(out), **_back_half(root, **kwargs))
+    write_report(config, summaries, completions, tokens, str(out), **report_back_half(root, **kwargs))
     return out.read_text(encoding="utf-8")
 
 
@@ -505,14 +231,14 @@ def test_vocab_section_says_how_many_ids_came_from_prompts(tmp_path):
 
     from eyrie.report.collect_model import vocab_section
 
-    counts = torch.tensor(VOCAB_COUNTS, dtype=torch.int64)
-    kept = torch.arange(len(VOCAB_COUNTS) - 8, len(VOCAB_COUNTS))
-    t2d = torch.zeros(len(VOCAB_COUNTS), dtype=torch.bool)
+    counts = torch.tensor(REPORT_VOCAB_COUNTS, dtype=torch.int64)
+    kept = torch.arange(len(REPORT_VOCAB_COUNTS) - 8, len(REPORT_VOCAB_COUNTS))
+    t2d = torch.zeros(len(REPORT_VOCAB_COUNTS), dtype=torch.bool)
     t2d[kept] = True
-    manifest = {"draft_vocab_size": 8, "requested_draft_vocab_size": 10, "target_vocab_size": len(VOCAB_COUNTS), "assistant_tokens": 100,
-                "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": SHA_A, "clipped": True, "unseen_padding": 0,
+    manifest = {"draft_vocab_size": 8, "requested_draft_vocab_size": 10, "target_vocab_size": len(REPORT_VOCAB_COUNTS), "assistant_tokens": 100,
+                "distinct_assistant_tokens": 6, "coverage": 1.0, "template_sha256": REPORT_SHA, "clipped": True, "unseen_padding": 0,
                 "shards": 4, "from_prompts": True, "prompt_only_ids": 2}
-    path = _save_safetensors(tmp_path / "v.safetensors", {"d2t": kept - torch.arange(8), "t2d": t2d, "counts": counts, "draft_ids": kept}, manifest)
+    path = save_report_safetensors(tmp_path / "v.safetensors", {"d2t": kept - torch.arange(8), "t2d": t2d, "counts": counts, "draft_ids": kept}, manifest)
     section = vocab_section(path, [])
     assert section["from_prompts"] is True and section["prompt_only_ids"] == 2
     assert section["clipped_note"].startswith("only 6 distinct assistant tokens and 2 more read in prompts were seen, fewer than")
@@ -542,7 +268,7 @@ def test_hidden_section_shows_the_free_space_at_report_time(tmp_path, monkeypatc
     free = 10 * 2**30 / (440_000 + 178_000 + 34_000)
     assert f"10.0 GiB free on the filesystem of <code>{tmp_path / 'full' / 'results' / 'hidden'}/" in html and f"{free:.1f}× this cache" in html
     out = tmp_path / "empty" / "report.html"
-    write_report(_config(), [], [], [], str(out))
+    write_report(report_config(), [], [], [], str(out))
     assert "Hidden states not built yet. 10.0 GiB free on the filesystem of" in out.read_text()
 
 
@@ -617,7 +343,7 @@ def test_report_without_any_ngram_block_renders_as_before(tmp_path):
 
 
 def test_ngram_faster_than_the_drafter_is_a_hint_and_a_divergence_is_a_warning(tmp_path):
-    block = {**BENCH["sharegpt"]["ngram"], "tokens_per_s": 50.0, "lossless": False,
+    block = {**REPORT_BENCH["sharegpt"]["ngram"], "tokens_per_s": 50.0, "lossless": False,
              "per_prompt": [{"id": "s9", "identical": False, "first_divergence": 5}, {"id": "s8", "identical": True, "first_divergence": None}]}
     html = _write_full(tmp_path, ngram={"sharegpt": block})
     assert "The drafter is slower than the n-gram baseline here:" in html and "43.5 tokens/s with the drafter against 50.0 with prompt lookup" in html
@@ -657,7 +383,7 @@ def test_full_report_shows_the_sweep_and_the_sglang_command_of_its_recommendatio
 
 
 def test_a_sweep_setting_that_changes_the_output_is_a_warning_and_never_recommended(tmp_path):
-    block = json.loads(json.dumps(BENCH["sharegpt"]["sweep"]))
+    block = json.loads(json.dumps(REPORT_BENCH["sharegpt"]["sweep"]))
     tree = block["settings"][1]
     tree.update(lossless=False, different=[{"id": "s8", "at": 11}])
     block["best"] = {**block["main"], "main_chain": True}
@@ -671,7 +397,7 @@ def test_a_sweep_setting_that_changes_the_output_is_a_warning_and_never_recommen
 
 
 def test_a_sweep_without_any_lossless_setting_recommends_nothing(tmp_path):
-    block = {**BENCH["sharegpt"]["sweep"], "best": None, "sglang_flags": None}
+    block = {**REPORT_BENCH["sharegpt"]["sweep"], "best": None, "sglang_flags": None}
     html = _write_full(tmp_path, sweep={"sharegpt": block})
     assert "No setting is recommended:" in html and 'class="best"' not in html and "SGLang flags:" not in html
 
@@ -683,7 +409,7 @@ def test_report_without_any_sweep_block_renders_as_before(tmp_path):
 
 
 def test_the_sweep_table_sets_training_prediction_beside_the_settings_training_walked(tmp_path):
-    block = json.loads(json.dumps(BENCH["sharegpt"]["sweep"]))
+    block = json.loads(json.dumps(REPORT_BENCH["sharegpt"]["sweep"]))
     block["settings"][0]["predicted"] = {"length": 2.5, "gap": 1 - 2.2 / 2.5, "form": "walked_first_turn_length", "eval_samples": 12}
     block["main"]["predicted"] = {"length": 2.2, "gap": 1 - 2.37 / 2.2, "form": "walked_first_turn_length", "eval_samples": 12}
     html = _write_full(tmp_path, sweep={"sharegpt": block})
@@ -693,7 +419,7 @@ def test_the_sweep_table_sets_training_prediction_beside_the_settings_training_w
     assert '2.20 <span class="muted">(7.7% above)</span>' in main and '2.50 <span class="muted">(12.0% below)</span>' in chain
     assert '<td class="n">—</td>' in tree  # a tree training did not walk
     assert "the one-step trees (1, N, N)" in html.split("<h4>Drafting settings</h4>")[1]
-    assert "training predicted" not in _write_full(tmp_path / "before", sweep={"sharegpt": BENCH["sharegpt"]["sweep"]})  # JSONs without it
+    assert "training predicted" not in _write_full(tmp_path / "before", sweep={"sharegpt": REPORT_BENCH["sharegpt"]["sweep"]})  # JSONs without it
 
 
 def test_warns_when_hidden_shards_disagree_and_drafter_template_differs(tmp_path):
@@ -711,11 +437,11 @@ def test_warns_when_hidden_shards_disagree_and_drafter_template_differs(tmp_path
 
 
 def test_collect_back_half_is_plain_data(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path)
-    figures = collect(config, summaries, completions, tokens, **_back_half(tmp_path))
+    config, summaries, completions, tokens = report_inputs(tmp_path)
+    figures = collect(config, summaries, completions, tokens, **report_back_half(tmp_path))
     json.dumps(figures)
-    assert figures["hidden"]["total"]["tokens"] == sum(n[1] for n in HIDDEN_SHARDS.values())
-    assert figures["hidden"]["reference"]["bf16"] == 8 * HIDDEN + 5
+    assert figures["hidden"]["total"]["tokens"] == sum(n[1] for n in REPORT_HIDDEN_SHARDS.values())
+    assert figures["hidden"]["reference"]["bf16"] == 8 * REPORT_HIDDEN + 5
     assert figures["vocab"]["curve"]["coverage"][-1] == pytest.approx(1.0)
     assert figures["vocab"]["curve"]["sizes"][0] == 1 and figures["vocab"]["curve"]["coverage"][0] == pytest.approx(0.5)
     rows = {b["name"]: b for b in figures["bench"]["rows"]}
@@ -735,7 +461,7 @@ def test_collect_back_half_is_plain_data(tmp_path):
 
 
 def test_back_half_paths_that_do_not_exist_are_not_built(tmp_path):
-    config, summaries, completions, tokens = _inputs(tmp_path)
+    config, summaries, completions, tokens = report_inputs(tmp_path)
     out = tmp_path / "report.html"
     missing = tmp_path / "nothing"
     write_report(config, summaries, completions, tokens, str(out), vocab=str(missing / "v.safetensors"), hidden=[str(missing / "h.safetensors")],
@@ -752,8 +478,8 @@ def test_foreign_and_broken_artifacts_are_warnings_that_name_the_file(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    config, summaries, completions, tokens = _inputs(tmp_path)
-    kwargs = _back_half(tmp_path)
+    config, summaries, completions, tokens = report_inputs(tmp_path)
+    kwargs = report_back_half(tmp_path)
     Path(kwargs["vocab"]).write_bytes(b"not safetensors")
     foreign = kwargs["hidden"][0]
     save_file({"x": torch.zeros(1)}, foreign, metadata={"other": "1"})  # a safetensors file eyrie did not write
@@ -771,8 +497,8 @@ def test_foreign_and_broken_artifacts_are_warnings_that_name_the_file(tmp_path):
 def test_serve_command_uses_the_schema_default_before_any_benchmark(tmp_path):
     from eyrie.core.schema import section_defaults
 
-    config, summaries, completions, tokens = _inputs(tmp_path)
-    kwargs = {**_back_half(tmp_path), "bench": []}
+    config, summaries, completions, tokens = report_inputs(tmp_path)
+    kwargs = {**report_back_half(tmp_path), "bench": []}
     drafter = collect(config, summaries, completions, tokens, **kwargs)["drafter"]
     k = section_defaults("bench")["draft_tokens"]
     assert drafter["serve_draft_tokens"] == k and "default" in drafter["serve_draft_tokens_source"]

@@ -1,6 +1,6 @@
 """Both serving commands, parsed by the engines' own argument code.
 
-SGLang's: its ServerArgs parser (the sglang_parser fixture of tests/generation/test_sglang_server.py). vLLM's: vLLM
+SGLang's: its ServerArgs parser (the sglang_parser fixture of tests/conftest.py). vLLM's: vLLM
 0.33.0 does not install on a CPU machine within CI's budget (torch 2.14.0 and CUDA kernels), so its command is
 checked against vLLM's own source read from its wheel: each flag must be a field of EngineArgs or FrontendArgs
 (vLLM's CLI is generated from them: --speculative-config, --dtype, --host, --port, --tensor-parallel-size), the
@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from generation.test_sglang_server import sglang_argv, sglang_parser  # noqa: F401 - the fixture
+from factories import sglang_argv
 from target.engine_sources import class_fields, literal_values, vllm_file
 
 from eyrie.core.errors import ConfigError
@@ -34,7 +34,7 @@ def eagle3(drafter: Path, k: int = 4) -> dict:
     return {"algorithm": "EAGLE3", "draft_model_path": str(drafter), "num_steps": k, "eagle_topk": 1, "num_draft_tokens": k + 1}
 
 
-def test_sglang_serves_the_drafter_in_its_own_dtype(tmp_path, sglang_parser):  # noqa: F811
+def test_sglang_serves_the_drafter_in_its_own_dtype(tmp_path, sglang_parser):
     parser, _ = sglang_parser
     drafter = write_drafter(tmp_path / "drafter")
     args = parser.parse_args(sglang_argv(launch_command("/models/target", 30000, speculative=eagle3(drafter))))
@@ -102,7 +102,7 @@ def test_serving_dtype_reads_either_layout(tmp_path):
     assert serving_dtype(write_drafter(tmp_path / "d", torch_dtype=None)) is None
 
 
-def test_the_report_prints_both_engines_commands_with_the_users_paths(tmp_path, monkeypatch, sglang_parser):  # noqa: F811
+def test_the_report_prints_both_engines_commands_with_the_users_paths(tmp_path, monkeypatch, sglang_parser):
     parser, _ = sglang_parser
     monkeypatch.chdir(tmp_path)
     write_drafter(Path("results/drafter"))
