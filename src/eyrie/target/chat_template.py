@@ -88,9 +88,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None, **template_kwargs) -> str:
+    """template_kwargs: switches the template reads (e.g. enable_thinking), passed through as serving passes them."""
     extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    return tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **extra, **template_kwargs)
 
 
 def parse_tools(tools: str | list | None) -> list[dict] | None:

@@ -1,0 +1,119 @@
+import json
+
+import pytest
+
+from eyrie.bench.domain_prompts import load_bfcl_prompts, load_gsm8k_prompts, thinking_switch
+from eyrie.core.errors import BadRecordError, InputFileError
+
+# Records in BFCL_v4_multiple.json's shape (bfcl-eval's data/), one of them with a system message as BFCL's live files have.
+TRIANGLE = {
+    "id": "multiple_0",
+    "question": [[{"role": "user", "content": "Dimensions of a triangle with sides 5, 4 and 3?"}]],
+    "function": [
+        {"name": "triangle_properties.get", "description": "Area and perimeter.",
+         "parameters": {"type": "dict", "properties": {"side1": {"type": "integer"}, "scale": {"type": "float"},
+                                                        "corners": {"type": "tuple", "items": {"type": "dict", "properties": {}}}},
+                        "required": ["side1"]}},
+        {"name": "circle.area", "description": "Area of a circle.", "parameters": {"type": "dict", "properties": {"radius": {"type": "integer"}}}},
+    ],
+}
+LIVE = {"id": "live_simple_3", "question": [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]],
+        "function": [{"name": "get_weather", "parameters": {"type": "dict", "properties": {"city": {"type": "string"}}}}]}
+
+
+def write_lines(path, records):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    return path
+
+
+def test_bfcl_questions_become_first_turns_with_their_definitions_as_openai_tools(tmp_path):
+    prompts = load_bfcl_prompts(write_lines(tmp_path / "BFCL_v4_multiple.json", [TRIANGLE, "", LIVE]))
+    assert [p["id"] for p in prompts] == ["bfcl-multiple_0", "bfcl-live_simple_3"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "Dimensions of a triangle with sides 5, 4 and 3?"}]
+    assert prompts[1]["messages"][0] == {"role": "system", "content": "Be brief."}
+    tools = prompts[0]["tools"]
+    assert [t["type"] for t in tools] == ["function", "function"]
+    assert [t["function"]["name"] for t in tools] == ["triangle_properties.get", "circle.area"]
+    parameters = tools[0]["function"]["parameters"]
+    # BFCL's Python type names become JSON Schema's at every depth; everything else as written
+    assert parameters["type"] == "object" and parameters["required"] == ["side1"]
+    assert parameters["properties"]["scale"]["type"] == "number"
+    assert parameters["properties"]["corners"] == {"type": "array", "items": {"type": "object", "properties": {}}}
+    assert TRIANGLE["function"][0]["parameters"]["type"] == "dict"  # the source record is not changed
+    assert len(load_bfcl_prompts(tmp_path / "BFCL_v4_multiple.json", limit=1)) == 1
+
+
+@pytest.mark.parametrize(("record", "field"), [
+    ({**TRIANGLE, "id": 7}, "id"),
+    ({**TRIANGLE, "function": []}, "function"),
+    ({**TRIANGLE, "function": [{"description": "no name"}]}, "function[0]"),
+    ({**TRIANGLE, "function": [{"name": "f", "parameters": "x"}]}, "function[0].parameters"),
+    ({**TRIANGLE, "question": []}, "question"),
+    ({**TRIANGLE, "question": [[{"role": "assistant", "content": "hi"}]]}, "question[0][0]"),
+    ({**TRIANGLE, "question": [[{"role": "system", "content": "only a system"}]]}, "question[0]"),
+])
+def test_a_bad_bfcl_record_names_the_file_line_record_and_field(tmp_path, record, field):
+    path = write_lines(tmp_path / "q.json", [TRIANGLE, record])
+    with pytest.raises(BadRecordError) as caught:
+        load_bfcl_prompts(path)
+    assert caught.value.file == str(path) and caught.value.location == "line 2" and caught.value.field == field
+
+
+def test_a_missing_or_broken_file_is_named(tmp_path):
+    with pytest.raises(InputFileError, match="bench.bfcl"):
+        load_bfcl_prompts(tmp_path / "absent.json")
+    with pytest.raises(BadRecordError, match="line 1.*not JSON"):
+        load_gsm8k_prompts(write_lines(tmp_path / "test.jsonl", ['{"question": ']))
+
+
+def test_gsm8k_questions_become_user_turns_asked_with_thinking(tmp_path):
+    path = write_lines(tmp_path / "test.jsonl", [
+        {"question": "Janet has 3 ducks. How many?", "answer": "3 ducks.\n#### 3"},
+        {"problem": "What is $1+1$?", "solution": "2", "answer": "2"},  # MATH-500's shape
+    ])
+    prompts = load_gsm8k_prompts(path)
+    assert prompts == [
+        {"id": "gsm8k-1", "messages": [{"role": "user", "content": "Janet has 3 ducks. How many?"}], "thinking": True},
+        {"id": "gsm8k-2", "messages": [{"role": "user", "content": "What is $1+1$?"}], "thinking": True},
+    ]
+    bad = write_lines(tmp_path / "bad.jsonl", [{"question": "ok"}, {"question": ""}])
+    with pytest.raises(BadRecordError) as caught:
+        load_gsm8k_prompts(bad)
+    assert caught.value.location == "line 2" and caught.value.field == "question"
+
+
+def test_the_thinking_switch_is_the_one_the_template_reads():
+    qwen3 = "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>{% endif %}"
+    deepseek = "{% if not thinking is defined %}{% set thinking = false %}{% endif %}{% if thinking %}<think>{% endif %}"
+    assert thinking_switch(qwen3) == {"enable_thinking": True}
+    assert thinking_switch(deepseek) == {"thinking": True}
+    assert thinking_switch("{{ message.reasoning_content }}{{ messages }}") == {}
+    assert thinking_switch(None) == {}
+
+
+# A Qwen3-style template: tools listed in the system turn, thinking on unless enable_thinking is false.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_prompts_render_with_their_tools_and_thinking_through_the_target_template(tmp_path):
+    from eyrie.bench.domain_prompts import render_prompt
+    from eyrie.bench.benchmark import first_turn
+    from tests.factories import byte_tokenizer
+
+    tokenizer = byte_tokenizer(TEMPLATE)
+    bfcl = load_bfcl_prompts(write_lines(tmp_path / "q.json", [LIVE]))[0]
+    text = render_prompt(tokenizer, first_turn(bfcl), bfcl)
+    assert text.startswith('<|im_start|>system\n<tools>{"type": "function", "function": {"name": "get_weather"')
+    assert '"parameters": {"type": "object"' in text and text.endswith("Weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    gsm8k = load_gsm8k_prompts(write_lines(tmp_path / "t.jsonl", [{"question": "2+2?"}]))[0]
+    assert render_prompt(tokenizer, first_turn(gsm8k), gsm8k).endswith("2+2?<|im_end|>\n<|im_start|>assistant\n")  # no empty think block
+    assert render_prompt(tokenizer, first_turn(gsm8k), {**gsm8k, "thinking": False}) == render_prompt(tokenizer, first_turn(gsm8k), gsm8k)
+    off = TEMPLATE.replace("enable_thinking is defined and enable_thinking is false", "not (enable_thinking is defined and enable_thinking)")
+    thinking_off_by_default = byte_tokenizer(off)
+    assert "<think>" in render_prompt(thinking_off_by_default, first_turn(gsm8k), {**gsm8k, "thinking": False})
+    assert "<think>" not in render_prompt(thinking_off_by_default, first_turn(gsm8k), gsm8k)  # the switch turned it on
