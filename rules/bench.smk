@@ -53,3 +53,39 @@ rule benchmark_mtbench:
     conda: "../envs/cuda.yaml"
     script:
         "../scripts/run_benchmark.py"
+
+
+rule benchmark_bfcl:
+    input:
+        drafter="results/drafter",
+        model=model_dir(),
+        prompts=lambda wc: downloaded(config["bench"]["bfcl"]["package"], config["bench"]["bfcl"]["member"]),
+    output:
+        # Tool calling: BFCL's questions with their function definitions as the template's tools.
+        "results/bench/{dataset,bfcl}.json",
+    params:
+        bench=bench_settings("bfcl"),
+    threads: workflow.cores
+    log:
+        "logs/bench/{dataset}.log",
+    conda: "../envs/cuda.yaml"
+    script:
+        "../scripts/run_benchmark.py"
+
+
+rule benchmark_gsm8k:
+    input:
+        drafter="results/drafter",
+        model=model_dir(),
+        prompts=lambda wc: downloaded(config["bench"]["gsm8k"]["package"], config["bench"]["gsm8k"]["member"]),
+    output:
+        # Reasoning: GSM8K's questions with the template's thinking switched on.
+        "results/bench/{dataset,gsm8k}.json",
+    params:
+        bench=bench_settings("gsm8k"),
+    threads: workflow.cores
+    log:
+        "logs/bench/{dataset}.log",
+    conda: "../envs/cuda.yaml"
+    script:
+        "../scripts/run_benchmark.py"

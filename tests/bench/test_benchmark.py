@@ -143,6 +143,10 @@ def test_engaged_run_returns_what_it_writes(tmp_path, model_dir, drafter):
     assert outside["new_tokens"] == sum(row["new_tokens"] for row in result["per_prompt"]) and 0 <= outside["outside"] <= outside["new_tokens"]
     assert sum(t["count"] for t in outside["most_common"]) <= outside["outside"]
     assert all(not bool(drafter.t2d[t["id"]]) and isinstance(t["text"], str) for t in outside["most_common"])
+    spans = result["acceptance_by_span"]  # every round counts for one span: together they are the run's rounds and mean
+    assert sum(spans[s]["rounds"] for s in ("thinking", "tool_call", "answer")) == result["rounds"] > 0
+    emitted = sum(spans[s]["rounds"] * spans[s]["mean"] for s in ("thinking", "tool_call", "answer") if spans[s]["rounds"])
+    assert emitted / result["rounds"] == pytest.approx(result["mean_acceptance_length"])
 
 
 def test_transformers_decoder_is_recorded_with_the_reason(tmp_path, model_dir, drafter):

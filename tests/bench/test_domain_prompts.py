@@ -101,8 +101,8 @@ TEMPLATE = (
 
 
 def test_prompts_render_with_their_tools_and_thinking_through_the_target_template(tmp_path):
-    from eyrie.bench.domain_prompts import render_prompt
     from eyrie.bench.benchmark import first_turn
+    from eyrie.bench.domain_prompts import render_prompt
     from tests.factories import byte_tokenizer
 
     tokenizer = byte_tokenizer(TEMPLATE)

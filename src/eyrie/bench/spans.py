@@ -28,7 +28,7 @@ TOOL_CALL_MARKERS = (
 
 def known_text(tokenizer) -> str:
     """What a tokenizer declares: its added tokens and its chat template, searched for markers."""
-    added = getattr(tokenizer, "get_added_vocab", lambda: {})() or {}
+    added = getattr(tokenizer, "get_added_vocab", dict)() or {}
     template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
     return "\n".join([*added, template])
 
