@@ -378,6 +378,7 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     sweep = data.get("sweep") if prompts and isinstance(data.get("sweep"), dict) else None
     row["sweep"] = _sweep_figures(sweep, row, config, drafter or data.get("drafter"), warnings) if sweep else None
     row["concurrency"] = concurrency_figures(data.get("concurrency"), name, warnings)  # B requests at once; absent from older JSONs
+    row["acceptance_by_span"] = _span_figures(data.get("acceptance_by_span")) if prompts else None
     by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
     for p in row["per_prompt"]:
         p["ngram"] = by_id.get(str(p["id"]))
@@ -390,6 +391,16 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
         where = ", ".join(f"{d['id']} at new token {d['at']}" for d in ngram["divergences"][:5]) or "no per-prompt detail"
         warn(warnings, "bench", f"{name}: n-gram output differs from plain greedy on {len(ngram['divergences'])} of {ngram['checked']} prompts ({where}); speculative decoding must be lossless")
     return row
+
+
+def _span_figures(data) -> dict[str, Any] | None:
+    """Acceptance inside thinking, tool-call and answer spans (eyrie.bench.spans), or None where no round fell in thinking or a
+    tool call (a reply of answer only says nothing the mean does not) or the JSON predates the split."""
+    if not isinstance(data, dict):
+        return None
+    spans = {span: data.get(span) if isinstance(data.get(span), dict) else {} for span in ("thinking", "tool_call", "answer")}
+    figures = {span: {"rounds": int(s.get("rounds") or 0), "mean": number(s.get("mean"))} for span, s in spans.items()}
+    return figures if figures["thinking"]["rounds"] or figures["tool_call"]["rounds"] else None
 
 
 def _sweep_figures(data: dict, bench: dict, config: dict, drafter_dir: str | None, warnings: list) -> dict[str, Any]:
