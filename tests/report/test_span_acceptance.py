@@ -41,9 +41,9 @@ def test_the_table_shows_acceptance_per_span_beside_each_benchmark(tmp_path):
     assert rows["mtbench"]["acceptance_by_span"] is None  # written before the split: no figures invented
     table = glance(page)
     assert "<th>acceptance in thinking</th><th>in tool calls</th><th>in answer</th>" in table
-    gsm8k = re.search(r"<tr><td><a[^>]*>gsm8k</a>.*?</tr>", table, re.S).group(0)
+    gsm8k = re.search(r"<tr><td><a[^>]*>gsm8k</a>.*?</tr>", table, re.DOTALL).group(0)
     assert re.findall(r'<td class="n">([^<]*)(?:<span class="muted">\((\d+) rounds\)</span>)?</td>', gsm8k)[-3:] == [("3.25 ", "6"), ("—", ""), ("1.38 ", "4")]
-    mtbench = re.search(r"<tr><td><a[^>]*>mtbench</a>.*?</tr>", table, re.S).group(0)
+    mtbench = re.search(r"<tr><td><a[^>]*>mtbench</a>.*?</tr>", table, re.DOTALL).group(0)
     assert mtbench.count("<td class=\"n\">—</td>") == 3
 
 
