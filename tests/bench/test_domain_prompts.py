@@ -117,3 +117,18 @@ def test_prompts_render_with_their_tools_and_thinking_through_the_target_templat
     thinking_off_by_default = byte_tokenizer(off)
     assert "<think>" in render_prompt(thinking_off_by_default, first_turn(gsm8k), {**gsm8k, "thinking": False})
     assert "<think>" not in render_prompt(thinking_off_by_default, first_turn(gsm8k), gsm8k)  # the switch turned it on
+
+
+BFCL_WHEEL = {"package": "bfcl-eval==2026.3.23", "member": "bfcl_eval/data/BFCL_v4_multiple.json"}  # configs/h200.yaml's bench.bfcl
+
+
+def test_the_real_bfcl_file_reads_whole_once_fetched_as_the_pipeline_fetches_it(tmp_path):
+    from eyrie.core.fetch import fetch_wheel_member
+
+    path = fetch_wheel_member(BFCL_WHEEL["package"], BFCL_WHEEL["member"], tmp_path / "BFCL_v4_multiple.json")
+    prompts = load_bfcl_prompts(path)
+    assert len(prompts) == 200 and len({p["id"] for p in prompts}) == 200
+    assert all(p["messages"][-1]["role"] == "user" and p["tools"] for p in prompts)
+    assert max(len(p["tools"]) for p in prompts) > 1  # the multiple category: several definitions to choose from
+    written = json.dumps([p["tools"] for p in prompts])
+    assert '"type": "dict"' not in written and '"type": "float"' not in written and '"type": "object"' in written
