@@ -71,3 +71,8 @@ def test_measure_spans_decodes_each_token_with_a_real_tokenizer(tmp_path):
     assert result["tool_call"] == {"rounds": 2, "mean": 2.0}
     assert result["answer"] == {"rounds": 0, "mean": None}
     assert result["markers"] == {"thinking": ["<think>", "</think>"], "tool_call": ["<tool_call>", "</tool_call>"]}
+
+
+def test_rounds_that_do_not_add_up_to_the_tokens_are_refused_by_name():
+    with pytest.raises(ValueError, match="rounds emitted 3 tokens, but 1 follow"):
+        acceptance_by_span([(["answer", "answer"], [3])])
