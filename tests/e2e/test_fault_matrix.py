@@ -59,6 +59,12 @@ def bench_content(path: Path) -> dict:
     return dropping(without_timings(json.loads(path.read_text())), BENCH_TIMING_WORDS)
 
 
+def in_any_workdir(text: str, workdir: Path) -> str:
+    """text with the workdir's absolute path written as <workdir>: the speculators export names its target by absolute
+    path (so it resolves from anywhere), and each case recovers a copy of the reference in a directory of its own."""
+    return text.replace(str(workdir.resolve()), "<workdir>").replace(str(workdir), "<workdir>")
+
+
 def snapshot(workdir: Path) -> dict[str, object]:
     """Every planned file's content, timings aside (report.html: that it exists)."""
     from eyrie.config import load
@@ -70,7 +76,7 @@ def snapshot(workdir: Path) -> dict[str, object]:
         if not path.exists():
             held[planned.path] = None
         elif path.is_dir():
-            held[planned.path] = {p.name: content(p) if p.suffix == ".safetensors" else without_timings(json.loads(p.read_text()))
+            held[planned.path] = {p.name: content(p) if p.suffix == ".safetensors" else without_timings(json.loads(in_any_workdir(p.read_text(), workdir)))
                                   for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
         elif path.suffix in (".parquet", ".safetensors"):
             held[planned.path] = dropping(content(path), RESUME_WORDS, RESUME_KEYS)
