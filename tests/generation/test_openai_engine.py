@@ -311,7 +311,9 @@ def test_shard_through_transformers_serve_has_the_in_process_engines_records(tmp
     local = pq.read_table(tmp_path / "local" / "c.parquet")
 
     assert http.schema == local.schema  # same columns, types and metadata keys
-    assert json.loads(http.schema.metadata[b"eyrie"]).keys() == json.loads(local.schema.metadata[b"eyrie"]).keys()
+    http_meta, local_meta = json.loads(http.schema.metadata[b"eyrie"]), json.loads(local.schema.metadata[b"eyrie"])
+    # The same metadata keys, and a server's shard says which model answered (the in-process engine is the target).
+    assert http_meta.keys() - {"served"} == local_meta.keys() and http_meta["served"]["model"]
     for h, l in zip(http.to_pylist(), local.to_pylist()):
         assert h["id"] == l["id"] and h["n_turns"] == l["n_turns"]
         assert [m["role"] for m in h["messages"]] == [m["role"] for m in l["messages"]]
