@@ -386,8 +386,14 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def trees(args) -> dict:
+    """The shapes' acceptance, decoded without gradients (nothing here trains)."""
     import torch
 
+    with torch.no_grad():
+        return _trees(args)
+
+
+def _trees(args) -> dict:
     from eyrie.bench.benchmark import first_turn, load_benchmark_prompts, stop_ids_of
     from eyrie.decoding.decode import greedy_decode, tree_decode
     from eyrie.decoding.static import open_decoder
@@ -406,7 +412,6 @@ def trees(args) -> dict:
     else:
         print(f"{args.bench}: {timed_settings(bench)} timed sweep settings, fewer than a round-time line needs: acceptance and seconds here only")
 
-    torch.set_grad_enabled(False)
     model, tokenizer, drafter = load_unchecked(args.target, args.drafter)
     prompts = {row["id"]: row for row in load_benchmark_prompts(bench["benchmark"], args.prompts_file)}
     missing = [i for i in ids if i not in prompts]

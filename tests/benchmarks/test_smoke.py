@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from factories import TOOLS_TEMPLATE, byte_tokenizer, tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,10 +33,16 @@ def run_here(script: str, *args, monkeypatch) -> None:
     """The script as `python benchmarks/<script> args` would run it, in this process."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # decode_floor reads extraction's shapes, as it does run from there
     monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+    grad, threads, dtype = torch.is_grad_enabled(), torch.get_num_threads(), torch.get_default_dtype()
     try:
         runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
     except SystemExit as exit:
         assert exit.code in (0, None), f"{script} exited {exit.code}"
+    finally:
+        # A script may set torch's process-wide state for itself; the tests after it must not inherit it.
+        changed = (torch.is_grad_enabled(), torch.get_default_dtype()) != (grad, dtype)
+        torch.set_grad_enabled(grad), torch.set_num_threads(threads), torch.set_default_dtype(dtype)
+    assert not changed, f"{script} changed torch's grad mode or default dtype for the whole process"
 
 
 def run_apart(script: str, *args, cwd: Path, timeout: int = 240) -> str:
