@@ -904,3 +904,23 @@ def report_back_half(root: Path, *, hidden_override: dict | None = None, drafter
         bench.append(str(path))
     bench.append(str(root / "results" / "bench" / "missing.json"))  # not built yet
     return {"vocab": vocab, "hidden": hidden, "drafter": str(drafter), "bench": bench}
+
+
+# --------------------------------------------------------------------------- a random drafter over a real target
+
+
+def random_target_drafter(model, draft_vocab: int = 2048):
+    """A seeded random EAGLE-3 drafter for `model` (the default target in the benchmark tests): draft_vocab ids drawn at
+    random, the target's own embeddings, the default aux layers."""
+    import torch
+
+    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+    from eyrie.target.aux_layers import default_aux_layer_ids
+
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    shape = DrafterShape.from_target(model.config, draft_vocab, default_aux_layer_ids(model.config.num_hidden_layers))
+    return Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab), t2d).eval()

@@ -8,6 +8,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from factories import random_target_drafter
 import torch
 
 from eyrie.bench.benchmark import (
@@ -42,17 +43,7 @@ def one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
-    from eyrie.target.aux_layers import default_aux_layer_ids
-
-    model, _ = target
-    torch.manual_seed(0)
-    vocab, draft_vocab = model.config.vocab_size, 2048
-    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[kept] = True
-    shape = DrafterShape.from_target(model.config, draft_vocab, default_aux_layer_ids(model.config.num_hidden_layers))
-    return Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab), t2d).eval()
+    return random_target_drafter(target[0])
 
 
 def save_drafter(drafter, out_dir, template_sha256: str, **eyrie):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from factories import random_target_drafter
 
 from eyrie.bench.benchmark import first_turn, run_benchmark_job
 from eyrie.bench.domain_prompts import load_bfcl_prompts, load_gsm8k_prompts, render_prompt
@@ -43,17 +43,7 @@ def templated_target(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    from eyrie.drafter.model import DrafterShape, Eagle3Drafter
-    from eyrie.target.aux_layers import default_aux_layer_ids
-
-    model, _ = target
-    torch.manual_seed(0)
-    vocab, draft_vocab = model.config.vocab_size, 2048
-    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[kept] = True
-    shape = DrafterShape.from_target(model.config, draft_vocab, default_aux_layer_ids(model.config.num_hidden_layers))
-    return Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab), t2d).eval()
+    return random_target_drafter(target[0])
 
 
 def run(tmp_path, benchmark, records, target_dir, drafter):
