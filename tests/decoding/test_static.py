@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from factories import six_layer_target, wide_drafter
+from factories import random_target_drafter, six_layer_target, wide_drafter
 
 from eyrie.decoding.decode import greedy_decode, speculative_decode
 from eyrie.decoding.static import StaticLlama, llama_reason, open_decoder, unsupported_reason
@@ -12,8 +12,7 @@ from eyrie.decoding.static_common import UnsupportedTargetError, needed_capacity
 from eyrie.decoding.static_drafter import MergedProducts
 from eyrie.decoding.static_modules import StaticModules
 from eyrie.decoding.transformers_path import Eagle3Chain
-from eyrie.drafter.model import DrafterShape, Eagle3Drafter
-from eyrie.target.aux_layers import capture_indices, default_aux_layer_ids
+from eyrie.target.aux_layers import capture_indices
 from eyrie.target.chat_template import render
 
 MAX_NEW = 20
@@ -349,21 +348,11 @@ def prompts(target):
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
 
 
-def real_random_drafter(model, draft_vocab_size: int = 2048) -> Eagle3Drafter:
-    torch.manual_seed(0)
-    vocab = model.config.vocab_size
-    kept = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
-    target_to_draft = torch.zeros(vocab, dtype=torch.bool)
-    target_to_draft[kept] = True
-    shape = DrafterShape.from_target(model.config, draft_vocab_size, default_aux_layer_ids(model.config.num_hidden_layers))
-    return Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab_size), target_to_draft).eval()
-
-
 def test_static_decoder_on_the_default_target_is_greedy_and_lossless(target, prompts):
     model, tokenizer = target
     stop_ids = {tokenizer.eos_token_id}
     engine = StaticLlama(model, capacity=needed_capacity(max(map(len, prompts)), MAX_NEW, 5), cuda_graphs=False)
-    drafter = real_random_drafter(model)
+    drafter = random_target_drafter(model)
     for prompt in prompts:
         expected = greedy_decode(model, prompt, MAX_NEW, stop_ids).tokens
         assert greedy_decode(engine, prompt, MAX_NEW, stop_ids).tokens == expected
