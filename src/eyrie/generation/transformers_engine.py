@@ -58,6 +58,7 @@ class TransformersEngine:
         self.stop_ids = self._stop_ids()
         self.static = None  # the BatchedGreedy loop, built on first use
         self.fallback: str | None = None  # why batching: static ran padded instead
+        self.static_refused: str | None = None  # the static engine's self-check refused this model (probed once)
 
     def _stop_ids(self) -> set[int]:
         configured = self.model.generation_config.eos_token_id
@@ -110,7 +111,10 @@ class TransformersEngine:
         """Whether batching: static can run these settings; says once (stderr, so the job log) why not."""
         from eyrie.decoding.static import unsupported_reason
 
-        reason = "sampling (temperature > 0); the static loop is greedy" if settings["temperature"] > 0 else unsupported_reason(self.model)
+        if settings["temperature"] > 0:
+            reason = "sampling (temperature > 0); the static loop is greedy"
+        else:  # a refusal of the engine's self-check is the model's, so it stands for every later batch
+            reason = self.static_refused or unsupported_reason(self.model)
         if reason is None and self.static is None:
             from eyrie.decoding.batched_greedy import open_batched_greedy
             from eyrie.decoding.static_common import UnsupportedTargetError
@@ -118,7 +122,7 @@ class TransformersEngine:
             try:
                 self.static = open_batched_greedy(self.model, self.tokenizer.pad_token_id, self.stop_ids)
             except UnsupportedTargetError as error:  # the engine's self-check against the model's own forward refused it
-                reason = str(error)
+                reason = self.static_refused = str(error)
         if reason is None:
             return True
         if self.fallback != reason:
