@@ -59,14 +59,17 @@ def bench_content(path: Path) -> dict:
     return dropping(without_timings(json.loads(path.read_text())), BENCH_TIMING_WORDS)
 
 
-def in_any_workdir(text: str, workdir: Path) -> str:
-    """text with the workdir's absolute path written as <workdir>: the speculators export names its target by absolute
-    path (so it resolves from anywhere), and each case recovers a copy of the reference in a directory of its own."""
-    return text.replace(str(workdir.resolve()), "<workdir>").replace(str(workdir), "<workdir>")
+def in_any_workdir(text: str, *workdirs: Path) -> str:
+    """text with each workdir's absolute path written as <workdir>: the speculators export names its target by absolute
+    path (so it resolves from anywhere), and each case recovers a copy of the reference in a directory of its own, so
+    an export the case did not rebuild still names the reference's directory."""
+    for workdir in workdirs:
+        text = text.replace(str(workdir.resolve()), "<workdir>").replace(str(workdir), "<workdir>")
+    return text
 
 
-def snapshot(workdir: Path) -> dict[str, object]:
-    """Every planned file's content, timings aside (report.html: that it exists)."""
+def snapshot(workdir: Path, copied_from: Path | None = None) -> dict[str, object]:
+    """Every planned file's content, timings aside (report.html: that it exists); copied_from: the run workdir copies."""
     from eyrie.config import load
     from eyrie.plan import planned_outputs
 
@@ -76,7 +79,7 @@ def snapshot(workdir: Path) -> dict[str, object]:
         if not path.exists():
             held[planned.path] = None
         elif path.is_dir():
-            held[planned.path] = {p.name: content(p) if p.suffix == ".safetensors" else without_timings(json.loads(in_any_workdir(p.read_text(), workdir)))
+            held[planned.path] = {p.name: content(p) if p.suffix == ".safetensors" else without_timings(json.loads(in_any_workdir(p.read_text(), *[d for d in (workdir, copied_from) if d])))
                                   for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
         elif path.suffix in (".parquet", ".safetensors"):
             held[planned.path] = dropping(content(path), RESUME_WORDS, RESUME_KEYS)
@@ -89,8 +92,9 @@ def snapshot(workdir: Path) -> dict[str, object]:
     return held
 
 
-def assert_restored(workdir: Path, expected: dict[str, object]) -> None:
-    actual = snapshot(workdir)
+def assert_restored(workdir: Path, reference: tuple[Path, dict[str, object]]) -> None:
+    copied_from, expected = reference
+    actual = snapshot(workdir, copied_from)
     differing = [path for path in expected if actual.get(path) != expected[path]]
     assert not differing, f"not as an uninterrupted run left them: {differing}"
     check = eyrie_verify(workdir)
@@ -123,7 +127,7 @@ def test_a_kill_inside_each_stage_is_recovered_to_the_same_files(reference, tmp_
     kill_inside(workdir, stage)
     snakemake(workdir, "--unlock")
     snakemake(workdir, "--rerun-incomplete")  # README: snakemake --unlock && snakemake --cores all --rerun-incomplete
-    assert_restored(workdir, reference[1])
+    assert_restored(workdir, reference)
 
 
 @pytest.mark.parametrize("relative", DAMAGED)
@@ -146,7 +150,7 @@ def test_damage_to_each_kind_of_artifact_is_named_and_the_printed_command_restor
     done = subprocess.run([*SNAKEMAKE, *command[1:]], check=False, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
-    assert_restored(workdir, reference[1])
+    assert_restored(workdir, reference)
 
 
 def test_a_deleted_prompt_shard_is_warned_about_planned_by_the_default_target_and_rebuilt(reference, tmp_path):
@@ -164,6 +168,6 @@ def test_a_deleted_prompt_shard_is_warned_about_planned_by_the_default_target_an
     assert "regenerate_shard:" in planned
 
     snakemake(workdir, "--rerun-incomplete")  # README: snakemake --cores all --rerun-incomplete
-    assert_restored(workdir, reference[1])
+    assert_restored(workdir, reference)
     again = snakemake(workdir, "-n")
     assert "Nothing to be done" in again.stdout + again.stderr
