@@ -8,7 +8,7 @@ import torch
 
 from eyrie.core.joblog import job_log
 from eyrie.tokens.tokenize import tokenize_shard
-from eyrie.hidden.extract import extract_target_shard
+from eyrie.hidden.extract import extract_target_shard, remove_stale_temporaries
 from eyrie.hidden.parallel import launch_tensor_parallel
 from eyrie.hidden.size import ensure_shard_fits, target_hidden_size
 from eyrie.target.model import load_tokenizer, model_fingerprint, template_fingerprint
@@ -25,7 +25,9 @@ with job_log(snakemake.log[0]):
         template_sha256=template_sha256,
         max_seq_len=snakemake.params.max_seq_len,
     )
-    # Before the target loads (minutes for a large one): refuse a shard the disk cannot hold.
+    # Before the target loads (minutes for a large one): refuse a shard the disk cannot hold. A killed run's temporary
+    # of this shard goes first, or its bytes would count against the room and refuse the rerun that replaces it.
+    remove_stale_temporaries(snakemake.output.hidden)
     ensure_shard_fits(snakemake.output.tokens, snakemake.output.hidden, target_hidden_size(snakemake.input.model), snakemake.params.hidden["dtype"])
     arguments = dict(
         tokens_path=snakemake.output.tokens,

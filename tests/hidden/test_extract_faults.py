@@ -4,6 +4,10 @@ written from the target's config alone, the target never loaded."""
 from __future__ import annotations
 
 import json
+import runpy
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -11,13 +15,17 @@ import torch
 from factories import tiny_llama
 
 import eyrie.hidden.extract as extract_module
+import eyrie.target.model as target_model
+import eyrie.tokens.tokenize as tokenize_module
 from eyrie.core.atomic import write_parquet_atomically
 from eyrie.hidden.cache import check_cache, load_hidden, read_manifest
 from eyrie.hidden.extract import extract_shard, extract_target_shard, remove_stale_temporaries
+from eyrie.hidden.size import MARGIN_BYTES, shard_bytes
 from eyrie.target.model import load_model
 from eyrie.tokens.shards import TOKENS_SCHEMA
 
 TEMPLATE = "t" * 64
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "extract_hidden.py"
 MODEL_CFG = {"dtype": "float32", "device": "cpu", "trust_remote_code": False}
 
 
@@ -61,6 +69,36 @@ def test_the_rerun_removes_the_temporary_a_killed_extraction_left_and_only_its_o
     assert all(path.read_bytes() == b"x" for path in others)
     assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, *(p.name for p in others)])  # no temporary of its own left either
     assert check_cache(out) and read_manifest(out)["tokens"] == manifest["tokens"] == 43
+
+
+def test_on_a_tight_disk_the_rerun_of_the_job_script_clears_a_killed_runs_full_size_temporary_before_its_room_check(tmp_path, target_dir, monkeypatch):
+    lengths = [9, 30, 4]
+    out = tmp_path / "hidden" / "0001.safetensors"
+    out.parent.mkdir()
+    estimate = shard_bytes(64, "bfloat16", len(lengths), sum(lengths))  # what the script's early check asks for
+    killed = out.parent / ".0001.safetensors.5e1f09ab.tmp"
+    killed.write_bytes(b"\0" * estimate)  # a run killed at its last batch: the file at full size
+
+    # A disk with room for one shard and the margin, less whatever lies in hidden/: the killed file alone leaves too little.
+    capacity = MARGIN_BYTES + estimate + estimate // 2
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
+        capacity, 0, capacity - sum(p.stat().st_size for p in out.parent.iterdir())))
+    # Tokenizing is not under test: the token shard is written as tokenize_shard would, with no tokenizer.
+    monkeypatch.setattr(target_model, "load_tokenizer", lambda *args: None)
+    monkeypatch.setattr(target_model, "template_fingerprint", lambda tokenizer: TEMPLATE)
+    monkeypatch.setattr(tokenize_module, "tokenize_shard", lambda *, out_path, **kw: token_shard(out_path, lengths))
+
+    import torch
+
+    snakemake = SimpleNamespace(
+        log=[str(tmp_path / "logs" / "0001.log")], threads=torch.get_num_threads(), config={"hidden": {"tensor_parallel": 1}},
+        input=SimpleNamespace(model=str(target_dir), completions=str(tmp_path / "completions.parquet")),
+        output=SimpleNamespace(tokens=str(tmp_path / "tokens" / "0001.parquet"), hidden=str(out)),
+        params=SimpleNamespace(model=MODEL_CFG, max_seq_len=256, aux_layer_ids=None, hidden={"batch_tokens": 64, "dtype": "bfloat16"}),
+    )
+    runpy.run_path(str(SCRIPT), init_globals={"snakemake": snakemake})
+    assert not killed.exists() and [p.name for p in out.parent.iterdir()] == [out.name]
+    assert check_cache(out) and read_manifest(out)["tokens"] == sum(lengths)
 
 
 def test_stale_temporaries_are_matched_by_the_output_name_exactly(tmp_path):
