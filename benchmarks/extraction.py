@@ -425,7 +425,8 @@ def tp_worker(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.perf_counter()
     if args.worker_model_dir:  # the package's own loading path, as the extract job runs it
-        model = load_model(args.worker_model_dir, dtype=args.model_dtype, device=args.device, tensor_parallel=world)
+        # A transformers-native family's directory (the benchmark's own random checkpoint or --model-dir): no custom code.
+        model = load_model(args.worker_model_dir, dtype=args.model_dtype, device=args.device, tensor_parallel=world, trust_remote_code=False)
     else:
         model = random_sharded_target(TP_SHAPES[args.random_shape], args.worker_init, getattr(torch, args.model_dtype), args.device)
     device = next(model.parameters()).device

@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 
-def random_weight_copy(model_dir: Path, into: Path) -> Path:
+def random_weight_copy(model_dir: Path, into: Path, trust_remote_code: bool = False) -> Path:
     """The model's config and tokenizer with random weights: same speed, no checkpoint to carry."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
     model.save_pretrained(into)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
         if (model_dir / name).exists():
@@ -73,6 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path, help="an HF model directory (its tokenizer is used)")
     parser.add_argument("--random-weights", action="store_true", help="random weights of the model's shape")
+    parser.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own code run (model.trust_remote_code)")
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--longest-prompt", type=int, default=600, help="words in the longest synthetic prompt")
@@ -91,8 +92,8 @@ def main() -> int:
         args.prompts, args.max_new_tokens, args.longest_prompt, args.batch_sizes, args.static_batch_sizes = 6, 8, 40, "3", "3"
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
     with tempfile.TemporaryDirectory(prefix="eyrie-regen-") as tmp:
-        model_dir = random_weight_copy(args.model, Path(tmp) / "model") if args.random_weights else args.model
-        engine = TransformersEngine(str(model_dir))
+        model_dir = random_weight_copy(args.model, Path(tmp) / "model", args.trust_remote_code) if args.random_weights else args.model
+        engine = TransformersEngine(str(model_dir), trust_remote_code=args.trust_remote_code)
         device = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
         print(f"torch {torch.__version__}, {device}, model {args.model}{' (random weights)' if args.random_weights else ''}, dtype {engine.model.dtype}")
         prompts = synthetic_prompts(engine, args.prompts, 0, args.longest_prompt)
