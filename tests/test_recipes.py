@@ -3,6 +3,7 @@ in how long (an estimate, labelled so) and how to launch it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from conftest import REPO
 
 from eyrie import config as cfg
 
-RECIPES = ("llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3")
+RECIPES = ("llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3", "gemma-3-27b", "mistral-small-24b")
 
 
 def header(path: Path) -> str:
@@ -35,3 +36,11 @@ def test_each_family_recipe_is_valid_and_says_how_to_run_it(name):
 def test_every_config_in_configs_is_valid():
     for path in sorted((REPO / "configs").glob("*.yaml")):
         cfg.load(str(path))
+
+
+def test_every_family_recipe_is_checked_above_and_listed_in_the_readme():
+    """A recipe added to configs/ is validated by the test above, and README.md's recipe list names it."""
+    on_disk = {path.stem for path in (REPO / "configs").glob("*.yaml")} - {"h200"}  # h200.yaml: the default target's run, not a family's
+    assert on_disk == set(RECIPES)
+    listed = re.search(r"`configs/\{([^}]*)\}\.yaml`", (REPO / "README.md").read_text()).group(1).split(",")
+    assert listed == list(RECIPES)
