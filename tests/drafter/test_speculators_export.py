@@ -17,12 +17,14 @@ import fcntl
 import hashlib
 import json
 import os
+import runpy
 import shutil
 import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -187,6 +189,27 @@ def test_every_file_is_readable_by_others(tiny):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o755
         for path in directory.iterdir():
             assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_a_hub_id_as_served_name_is_the_verifier_as_written(tiny, tmp_path, monkeypatch):
+    """model.served_name as a recipe sets it (a hub id) goes through the pipeline's export script into
+    speculators_config.verifier unchanged: `vllm serve <export>` resolves it on the hub, so it is never made a path."""
+    from eyrie import config as cfg
+
+    config = cfg.load(str(REPO / "configs" / "qwen3-8b.yaml"))
+    config["model"]["path"] = str(tiny["root"] / "target")
+    assert config["model"]["served_name"] == "Qwen/Qwen3-8B"
+    monkeypatch.chdir(tmp_path)
+    snakemake = SimpleNamespace(  # what rules/speculators.smk hands the script
+        input=SimpleNamespace(drafter=str(tiny["drafter"]), model=config["model"]["path"]),
+        output=[str(tmp_path / "results" / "drafter-speculators")],
+        params=SimpleNamespace(speculative_tokens=config["bench"]["draft_tokens"], served_name=config["model"].get("served_name")),
+        log=[str(tmp_path / "logs" / "drafter" / "speculators.log")],
+        config=config,
+    )
+    runpy.run_path(str(REPO / "scripts" / "export_speculators.py"), init_globals={"snakemake": snakemake})
+    written = json.loads((tmp_path / "results" / "drafter-speculators" / "config.json").read_text())
+    assert written["speculators_config"]["verifier"] == {"name_or_path": "Qwen/Qwen3-8B", "architectures": ["LlamaForCausalLM"]}
 
 
 def test_export_refuses_another_targets_embeddings(tiny, tmp_path):

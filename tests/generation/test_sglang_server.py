@@ -67,6 +67,21 @@ def test_baseline_and_eagle3_commands_parse_with_sglangs_own_parser(tmp_path, sg
         parser.parse_args(sglang_argv(launch_command("/m", 1, extra_args=["--speculative-eagle-top-k", "1"])))
 
 
+def test_trust_remote_code_and_tensor_parallelism_parse_with_sglangs_own_parser(sglang_parser):
+    """Regeneration's command from a validated config (model.trust_remote_code, engine.sglang.tp_size), as
+    eyrie.generation.engines builds it: SGLang reads both, and without trust_remote_code the flag is absent."""
+    from eyrie.config import validate
+
+    parser, _ = sglang_parser
+    for trust in (True, False):
+        config = validate({"model": {"name": "m", "path": "/m", "trust_remote_code": trust}, "datasets": {"d": {"source": {"file": "x.jsonl"}}},
+                           "engine": {"kind": "sglang", "sglang": {"tp_size": 8}}})
+        command = command_from_config(config["engine"]["sglang"], "/m", 31237, bool(config["model"]["trust_remote_code"]))
+        args = parser.parse_args(sglang_argv(command))
+        assert (args.model_path, args.tp_size, args.trust_remote_code) == ("/m", 8, trust)
+        assert ("--trust-remote-code" in command) is trust
+
+
 def test_eagle_for_an_eagle3_drafter_is_refused_before_launch(tmp_path):
     drafter = write_drafter(tmp_path / "drafter")
     wrong = {"algorithm": "EAGLE", "draft_model_path": str(drafter), "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}

@@ -3,9 +3,10 @@
 SGLang's: its ServerArgs parser (the sglang_parser fixture of tests/conftest.py). vLLM's: vLLM
 0.33.0 does not install on a CPU machine within CI's budget (torch 2.14.0 and CUDA kernels), so its command is
 checked against vLLM's own source read from its wheel: each flag must be a field of EngineArgs or FrontendArgs
-(vLLM's CLI is generated from them: --speculative-config, --dtype, --host, --port, --tensor-parallel-size), the
---speculative-config JSON keys fields of SpeculativeConfig, its method one of SpeculativeMethod's values, the dtype
-one of ModelDType's. tests/drafter/test_speculators_export.py runs vLLM's config classes on the drafter itself.
+(vLLM's CLI is generated from them: --speculative-config, --dtype, --host, --port, --tensor-parallel-size; a bool
+field's flag, --trust-remote-code, stands bare), the --speculative-config JSON keys fields of SpeculativeConfig, its
+method one of SpeculativeMethod's values, the dtype one of ModelDType's. tests/drafter/test_speculators_export.py runs
+vLLM's config classes on the drafter itself.
 """
 
 from __future__ import annotations
@@ -48,12 +49,20 @@ def test_sglang_serves_the_drafter_in_its_own_dtype(tmp_path, sglang_parser):
     assert args.enable_metrics is True
 
 
-def vllm_flags(command: list[str]) -> tuple[str, dict[str, str]]:
-    """(the served model, {field name: value}) of `vllm serve MODEL --flag value ...`."""
+def vllm_flags(command: list[str]) -> tuple[str, dict[str, str | bool]]:
+    """(the served model, {field name: value}) of `vllm serve MODEL --flag value ... --bare-flag ...`; a flag with no
+    value (the next word is another flag, or none follows) reads True, as vLLM's BooleanOptionalAction sets it."""
     assert command[:2] == ["vllm", "serve"]
     model, rest = command[2], command[3:]
-    assert len(rest) % 2 == 0 and all(flag.startswith("--") for flag in rest[::2]), rest
-    return model, {flag[2:].replace("-", "_"): value for flag, value in zip(rest[::2], rest[1::2])}
+    flags: dict[str, str | bool] = {}
+    at = 0
+    while at < len(rest):
+        flag = rest[at]
+        assert flag.startswith("--"), rest
+        bare = at + 1 == len(rest) or rest[at + 1].startswith("--")
+        flags[flag[2:].replace("-", "_")] = True if bare else rest[at + 1]
+        at += 1 if bare else 2
+    return model, flags
 
 
 def check_against_vllm(command: list[str]) -> dict:
@@ -63,6 +72,10 @@ def check_against_vllm(command: list[str]) -> dict:
     assert "--speculative-config" in arg_utils  # added by hand to the CLI, beside the generated flags
     _, flags = vllm_flags(command)
     assert set(flags) <= fields, f"not vLLM flags: {sorted(set(flags) - fields)}"
+    engine_fields = class_fields(arg_utils, "EngineArgs")
+    bare = sorted(name for name, value in flags.items() if value is True)
+    # vLLM's CLI gives a bool field a --flag/--no-flag pair (BooleanOptionalAction): only those may stand bare.
+    assert all(engine_fields.get(name) == "bool" for name in bare), {name: engine_fields.get(name) for name in bare}
     if "dtype" in flags:
         assert flags["dtype"] in literal_values(vllm_file("config/model.py"), "ModelDType")
     if "speculative_config" in flags:
@@ -83,6 +96,30 @@ def test_vllm_command_is_made_of_vllms_own_fields(tmp_path):
     check_against_vllm(command)
     # The method is spelt out: vLLM would otherwise guess it from "eagle3" in the path, and results/drafter has none.
     assert "eagle3" not in str(drafter)
+
+
+def test_both_engines_read_trust_remote_code_and_the_split_from_the_printed_commands(tmp_path, monkeypatch, sglang_parser):
+    """model.trust_remote_code and engine.sglang.tp_size 8 (a Kimi-K2 on one node) reach every command the report prints,
+    parsed by SGLang's own parser and checked against vLLM's fields; with trust_remote_code off the flag is absent."""
+    parser, _ = sglang_parser
+    monkeypatch.chdir(tmp_path)
+    write_drafter(Path("results/drafter"))
+    write_drafter(Path("results/drafter-speculators"), architectures=["Eagle3Speculator"], speculators_model_type="eagle3", torch_dtype=None,
+                  dtype="bfloat16")
+    for trust in (True, False):
+        config = {"model": {"name": "Kimi-K2", "path": "/models/Kimi-K2", "trust_remote_code": trust}, "engine": {"sglang": {"tp_size": 8}},
+                  "bench": {"draft_tokens": 3}}
+        warnings: list = []
+        figures = serve_command(config, "results/drafter", {"rows": []}, warnings)
+        assert warnings == []
+        sglang = shlex.split(figures["serve_command"])
+        args = parser.parse_args(sglang_argv(sglang))
+        assert (args.model_path, args.tp_size, args.trust_remote_code, args.speculative_algorithm) == ("/models/Kimi-K2", 8, trust, "EAGLE3")
+        assert ("--trust-remote-code" in sglang) is trust
+        for vllm in (shlex.split(figures["serve_vllm_command"]), shlex.split(figures["serve_vllm_speculators_command"])):
+            flags = check_against_vllm(vllm)
+            assert flags["tensor_parallel_size"] == "8" and flags.get("trust_remote_code", False) is trust
+            assert ("--trust-remote-code" in vllm) is trust
 
 
 def test_vllm_command_refuses_what_is_not_an_eagle3_drafter(tmp_path):
