@@ -125,8 +125,10 @@ def test_agentic_records_train_every_assistant_turn_in_its_serving_context(tmp_p
 
 
 def test_in_process_regeneration_answers_in_the_context_of_the_sources_tool_results(tmp_path, shared_resources):
-    """replies: target with the in-process engine: each turn is asked with the record's tools; the default target
-    writes no structured call, so the tool record ends before the source's results (counted), and the rest trains."""
+    """replies: target with the in-process engine: each turn is asked with the record's tools and its reply is split as
+    a server's parsers would (thinking, <tool_call> blocks). The default target writes no call in its 12 tokens, so the
+    tool record ends before the source's results (counted), and the rest trains; a target that makes the source's call
+    continues on its results (tests/generation/test_agentic_turns.py)."""
     model = target_with_template(shared_resources / "models" / MODEL_NAME, tmp_path / "target", THINKING_TEMPLATE)
 
     def regenerated(config):
@@ -141,7 +143,9 @@ def test_in_process_regeneration_answers_in_the_context_of_the_sources_tool_resu
     stats = json.loads(completions.schema.metadata[b"eyrie"])["stats"]
     assert stats["tool_calls_differ"] == 1
     records = {r["id"]: r for r in completions.to_pylist()}
-    assert [m["role"] for m in records["weather"]["messages"]] == ["system", "user", "assistant"]  # ended before RESULT-1
+    weather = records["weather"]["messages"]
+    assert [m["role"] for m in weather] == ["system", "user", "assistant"]  # ended before RESULT-1 ...
+    assert not weather[-1].get("tool_calls") and "<tool_call>" not in weather[-1]["content"]  # ... as the target called nothing
     assert json.loads(records["weather"]["tools"]) == TOOLS
     assert [m["role"] for m in records["chat"]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert "ANSWER-C" not in records["chat"]["messages"][1]["content"]  # the target's own reply, not the source's

@@ -14,11 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from fault_server import FaultServer
 
+import eyrie.generation.openai_engine as openai_engine
 from eyrie.core.errors import ConfigError
-from eyrie.generation.conversations import ERROR, settings_key
+from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, load_conversations, make_row, settings_key
 from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable, retry_after_seconds, retry_budget_s
-from eyrie.generation.partial import PartialLog, PartialLogWriteError, logs_of
-from eyrie.generation.regenerate import FailedTurns, regenerate_shard
+from eyrie.generation.partial import PartialLog, PartialLogWriteError, log_path, logs_of
+from eyrie.generation.regenerate import FailedTurns, regenerate_shard, shard_answered
 
 SETTINGS = {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
 
@@ -90,6 +91,44 @@ def test_a_server_answering_nothing_at_all_stops_the_shard_loudly(tmp_path):
         with pytest.raises(ServerUnavailable, match="failed 3 requests in a row"):
             run(tmp_path, engine(server, max_consecutive_errors=3, max_retries=0))
     assert not (tmp_path / "c.parquet").exists()
+
+
+def test_empty_replies_a_log_holds_as_finished_are_asked_again_not_trained_on(tmp_path, monkeypatch):
+    shard(tmp_path, prompts(3, turns=2))
+    with FaultServer(rules={"question 1 ": "empty"}) as server:
+        # An engine that took an empty reply for an answer: both turns of p1 logged as 'stop' with nothing in them.
+        with monkeypatch.context() as accepting:
+            accepting.setattr(openai_engine, "empty_reply", lambda message: False)
+            run(tmp_path, engine(server))
+        poisoned = [r for r in log_rows(tmp_path) if r["id"] == "p1"]
+        assert [(r["turn"], r["finish_reason"], r["reply"]) for r in poisoned] == [(0, "stop", ""), (1, "stop", "")]
+        assert "reasoning_content" not in poisoned[0] and "tool_calls" not in poisoned[0]
+
+        server.rules.clear()
+        (tmp_path / "c.parquet").unlink()  # what --forcerun does before the job runs
+        before = server.sent()
+        stats = run(tmp_path, engine(server))
+        asked = [r["messages"][-1]["content"] for r in server.requests[before:]]
+    assert asked == ["question 1 part 0", "question 1 part 1"] and stats["resumed_turns"] == 4  # p1 again, from its first turn
+    assert len(replies(tmp_path)) == 6 and all(replies(tmp_path))
+
+
+def test_a_local_resume_log_with_an_empty_reply_opens_an_engine_and_prompt_too_long_rows_do_not(tmp_path):
+    """shard_answered agrees with resume: an empty reply is a turn left to answer, a prompt over the context is done."""
+    shard(tmp_path, prompts(2))
+    partial = tmp_path / "partial"
+    p0, p1 = load_conversations(str(tmp_path / "p.parquet"), SETTINGS["max_turns"])
+
+    def answered(rows) -> bool:
+        log = PartialLog(log_path(partial, settings_key(SETTINGS, "fp")))
+        log.append(rows)
+        return shard_answered(str(tmp_path / "p.parquet"), str(partial), SETTINGS, "fp")
+
+    assert answered([make_row(p0, 0, "stop", "an answer", 5, 2, 0.1), make_row(p1, 0, "stop", "", 5, 0, 0.1)]) is False
+    assert answered([make_row(p1, 0, PROMPT_TOO_LONG, "", 500, 0, 0.0)]) is True  # the newest row of p1 turn 0
+    assert answered([make_row(p1, 0, "tool_calls", "", 5, 3, 0.1, tool_calls=[{"type": "function", "function": {"name": "f", "arguments": {}}}])]) is True
+    assert answered([make_row(p1, 0, "stop", "", 5, 3, 0.1, reasoning_content="thought it through")]) is True
+    assert answered([make_row(p1, 0, "length", "", 5, 0, 0.1)]) is False
 
 
 # ---------------------------------------------------------------------------- 1: the served model

@@ -9,36 +9,9 @@ round counts for the span of its first new token, and the span's mean is the tok
 
 from __future__ import annotations
 
+from eyrie.target.markers import known_text, pick_markers
+
 SPANS = ("thinking", "tool_call", "answer")
-
-# Known (open, close) pairs: the first whose open marker a tokenizer knows is used, else the last (the fallback).
-THINKING_MARKERS = (
-    ("<seed:think>", "</seed:think>"),  # Seed-OSS
-    ("◁think▷", "◁/think▷"),  # Kimi-VL thinking
-    ("<|channel|>analysis", "<|end|>"),  # gpt-oss (harmony): the analysis channel
-    ("<think>", "</think>"),  # Qwen3, DeepSeek-R1, Kimi-K2-Thinking, GLM
-)
-TOOL_CALL_MARKERS = (
-    ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),  # Kimi-K2
-    ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),  # DeepSeek-V3/R1
-    ("<|channel|>commentary to=functions.", "<|call|>"),  # gpt-oss (harmony)
-    ("<tool_call>", "</tool_call>"),  # Qwen, Hermes
-)
-
-
-def known_text(tokenizer) -> str:
-    """What a tokenizer declares: its added tokens and its chat template, searched for markers."""
-    added = getattr(tokenizer, "get_added_vocab", dict)() or {}
-    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
-    return "\n".join([*added, template])
-
-
-def pick_markers(known: str) -> dict[str, tuple[str, str]]:
-    """{span: (open, close)} for thinking and tool_call: the first known pair whose open marker is in `known`."""
-    def pick(pairs):
-        return next((pair for pair in pairs if pair[0] in known), pairs[-1])
-
-    return {"thinking": pick(THINKING_MARKERS), "tool_call": pick(TOOL_CALL_MARKERS)}
 
 
 def _regions(text: str, markers: dict[str, tuple[str, str]]) -> list[tuple[int, int, str]]:
@@ -96,7 +69,7 @@ def acceptance_by_span(decodes: list[tuple[list[str], list[int]]]) -> dict[str, 
 
 def measure_spans(tokenizer, decodes: list[tuple[list[int], list[int], list[int]]]) -> dict[str, dict]:
     """acceptance_by_span over decodes, each (prompt ids, speculative tokens, acceptance lengths), with the
-    tokenizer's markers (pick_markers) and each token decoded on its own."""
+    tokenizer's markers (eyrie.target.markers.pick_markers) and each token decoded on its own."""
     markers = pick_markers(known_text(tokenizer))
     labelled = []
     for prompt_ids, tokens, lengths in decodes:

@@ -42,8 +42,10 @@ from eyrie.core.atomic import write_parquet_atomically
 from eyrie.core.batching import batches_by_tokens
 from eyrie.core.errors import EyrieError
 from eyrie.generation.conversations import (
+    ENDS_CONVERSATION,
     ERROR,
     PROMPT_TOO_LONG,
+    REPLY_FIELDS,
     Conversation,
     completions_schema,
     load_conversations,
@@ -52,6 +54,7 @@ from eyrie.generation.conversations import (
     stable_seed,
     to_record,
 )
+from eyrie.generation.openai_engine import empty_reply
 from eyrie.generation.partial import PartialLog, log_path
 
 MAX_ERROR_EXAMPLES = 20
@@ -64,19 +67,28 @@ class FailedTurns(EyrieError):
 def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict]) -> int:
     """Attach finished turns from the log; a turn whose user text changed since is not reused.
 
-    Error rows are not reused: that turn is asked again (the log keeps the newest row per turn).
+    Error rows and rows with an empty reply (said_nothing) are not reused: that turn is asked again (the log keeps
+    the newest row per turn). An engine that accepts empty replies logs them as finished ('stop'); reused, they would be trained on.
     """
     reused = 0
     for conversation in conversations:
         for turn, user in enumerate(conversation.users):
             row = done.get((conversation.id, turn))
-            if row is None or row["user"] != user or row["finish_reason"] == ERROR:
+            if row is None or row["user"] != user or row["finish_reason"] == ERROR or said_nothing(row):
                 break
             conversation.answered.append(row)
             reused += 1
             if row["finish_reason"] == PROMPT_TOO_LONG:
                 break
     return reused
+
+
+def said_nothing(row: dict) -> bool:
+    """Whether a logged turn's reply is empty as the server engine judges one (openai_engine.empty_reply): no text,
+    reasoning or tool call. A prompt_too_long row is empty by design: it ends the conversation, it is not a reply."""
+    if row["finish_reason"] in ENDS_CONVERSATION:
+        return False
+    return empty_reply({"content": row.get("reply"), **{key: row.get(key) for key in REPLY_FIELDS}})
 
 
 def shard_stats(records: list[dict], reused_turns: int, conversations: list[Conversation] | None = None, run: dict | None = None) -> dict:
@@ -132,7 +144,8 @@ def _resumed(prompts_path: str, partial_dir: str, settings: dict, model_fingerpr
 
 
 def shard_answered(prompts_path: str, partial_dir: str, settings: dict, model_fingerprint: str) -> bool:
-    """Whether the resume log already holds every turn of the shard: then it needs no engine (no model load, no server)."""
+    """Whether the resume log already holds every turn of the shard as `resume` reuses it (no error, no empty reply): then
+    it needs no engine (no model load, no server)."""
     conversations, _, _ = _resumed(prompts_path, partial_dir, settings, model_fingerprint)
     return all(c.ended for c in conversations)
 
@@ -252,7 +265,7 @@ class ShardProgress:
 def _regenerate_in_batches(conversations, settings, engine_settings, engine, log, progress) -> dict:
     """The batch-engine loop: all pending turns of one round, sorted into token-budget batches."""
     wall_started = time.perf_counter()
-    busy_seconds = 0.0
+    busy_seconds, unparsed = 0.0, 0
     while pending := [c for c in conversations if not c.ended]:
         requests = [(c, len(c.answered)) for c in pending]
         # The record's tools only where it has them: an engine need not know of tools to answer plain chat.
@@ -280,7 +293,8 @@ def _regenerate_in_batches(conversations, settings, engine_settings, engine, log
             batch_tokens = sum(r.completion_tokens for r in results) or 1
             rows = [
                 # Each turn carries its share of the batch time, so sums over any subset give throughput.
-                _row(requests[i], r.finish_reason, r.reply, r.prompt_tokens, r.completion_tokens, elapsed * r.completion_tokens / batch_tokens, latency=elapsed)
+                _row(requests[i], r.finish_reason, r.reply, r.prompt_tokens, r.completion_tokens, elapsed * r.completion_tokens / batch_tokens, latency=elapsed,
+                     **r.extra)
                 for i, r in zip(members, results)
             ]
             log.append(rows)
@@ -288,12 +302,16 @@ def _regenerate_in_batches(conversations, settings, engine_settings, engine, log
                 requests[i][0].answered.append(row)
                 progress.turn_done(requests[i][0], row)
             busy_seconds += elapsed
+            unparsed += sum(row.get("tool_calls_unparsed", 0) for row in rows)
             progress.show(busy_seconds)
     return {
         "engine": "transformers",
         "wall_seconds": time.perf_counter() - wall_started,
         "busy_seconds": busy_seconds,
         "max_batch_size": engine_settings["max_batch_size"],
+        **({"batching_fallback": engine.fallback} if getattr(engine, "fallback", None) else {}),  # why batching: static ran padded
+        # Tool-call blocks this run kept inline in the reply text: not the JSON calls the parser reads.
+        **({"tool_calls_unparsed": unparsed} if unparsed else {}),
     }
 
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from eyrie.generation.reply_text import opens_thinking, reply_markers, split_reply
 from eyrie.target.chat_template import render
 
 
 @dataclass
 class TurnResult:
-    reply: str
+    reply: str  # the content: the decoded text less what `extra` holds
     finish_reason: str  # "stop" (end-of-turn token), "length" (hit max_new_tokens)
     prompt_tokens: int
     completion_tokens: int
+    extra: dict = field(default_factory=dict)  # reasoning_content, tool_calls, tool_calls_unparsed (reply_text.split_reply)
 
 
 BATCHING = ("auto", "padded", "continuous", "static")
@@ -56,6 +58,7 @@ class TransformersEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.stop_ids = self._stop_ids()
+        self.markers = reply_markers(self.tokenizer)
         self.static = None  # the BatchedGreedy loop, built on first use
         self.fallback: str | None = None  # why batching: static ran padded instead
         self.static_refused: str | None = None  # the static engine's self-check refused this model (probed once)
@@ -68,8 +71,7 @@ class TransformersEngine:
         return stop
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The prompt as serving renders it: the conversation so far (with its tool results) and the record's tools.
-        The reply is the decoded text: thinking and tool-call markup stay inline, as the target wrote them."""
+        """The prompt as serving renders it: the conversation so far (with its tool results) and the record's tools."""
         text = render(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -162,9 +164,13 @@ class TransformersEngine:
     def _turn(self, prompt: list[int], row: list[int]) -> TurnResult:
         stop_at = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
         new_tokens = row if stop_at is None else row[:stop_at]
+        # Split as a server's reasoning and tool parsers would, so the row matches the OpenAI engine's.
+        in_thinking = opens_thinking(self.tokenizer.decode(prompt, skip_special_tokens=False), self.markers)
+        reply, extra = split_reply(self.tokenizer.decode(new_tokens, skip_special_tokens=True), self.markers, in_thinking)
         return TurnResult(
-            reply=self.tokenizer.decode(new_tokens, skip_special_tokens=True),
+            reply=reply,
             finish_reason="length" if stop_at is None else "stop",
             prompt_tokens=len(prompt),
             completion_tokens=len(new_tokens) + (stop_at is not None),
+            extra=extra,
         )

@@ -265,6 +265,8 @@ def _completion_dataset(name: str, shards: list[dict], config: dict, warnings: l
         "replies": settings.get("replies", "target"),
         "model_fingerprint": distinct(s["meta"].get("model_fingerprint") for s in shards),
         "answered_by": distinct(answered_by(s["meta"]) for s in shards),
+        # Why engine.batching: static ran padded instead (TransformersEngine.fallback): what made regeneration slower.
+        "batching_fallback": distinct(((s["meta"].get("stats") or {}).get("run") or {}).get("batching_fallback") for s in shards),
         "template_sha256": distinct(s["meta"].get("template_sha256") for s in shards),
         "templates_by_shard": {s["shard"]: s["meta"].get("template_sha256") for s in shards},
         "sample": _sample(shards),
