@@ -14,12 +14,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from conftest import REPO
+from fault_server import FaultServer
 from safetensors.torch import save_file
 
 from eyrie import config as cfg
@@ -347,13 +349,20 @@ def train_step_once(compile, attention="eager", recompute_mlp=False, use_bf16=Fa
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3_text", "gemma3", "mistral")  # tiny_family_config's names
 
 
-def tiny_family_config(family: str, *, vocab: int, hidden: int = 64, layers: int = 8, window: int = 16):
+def tiny_family_config(family: str, *, vocab: int, hidden: int = 64, layers: int = 8, window: int = 16, rope: dict | None = None,
+                       initializer_range: float | None = None):
     """A random-weight target of a family at hidden 64: the family's own features kept (qk-norm, experts, MLA, sliding
-    windows of `window` tokens, attention sinks, Gemma's (1 + w) norms and per-layer-type rope, a nested text config)."""
+    windows of `window` tokens, attention sinks, Gemma's (1 + w) norms and per-layer-type rope, a nested text config).
+
+    rope: transformers' rope_parameters in place of the family's own; initializer_range: in place of the config's 0.02."""
     import transformers as t
 
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=1024,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if initializer_range is not None:
+        common["initializer_range"] = initializer_range
+    if rope is not None:
+        common["rope_parameters"] = rope
     attention = dict(num_key_value_heads=2, head_dim=hidden // 4)
     alternating = ["sliding_attention", "full_attention"] * (layers // 2)
     if family == "qwen3":
@@ -368,9 +377,9 @@ def tiny_family_config(family: str, *, vocab: int, hidden: int = 64, layers: int
     if family == "gpt_oss":
         return t.GptOssConfig(**common, **attention, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
                               layer_types=alternating, tie_word_embeddings=False)
-    text = dict(**common, **attention, intermediate_size=128, sliding_window=window, layer_types=alternating,
-                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    text = dict(**common, **attention, intermediate_size=128, sliding_window=window, layer_types=alternating)
+    text.setdefault("rope_parameters", {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     if family == "gemma3_text":
         return t.Gemma3TextConfig(**text)
     if family == "gemma3":
@@ -619,6 +628,35 @@ server.request_queue_size = 256
 print(f"stub listening on {args.host}:{args.port}", flush=True)
 server.serve_forever()
 '''
+
+
+# --------------------------------------------------------------------------- an OpenAI server that splits reasoning and tool calls
+
+AGENT_CALL = {"id": "s1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+AGENT_REPLIES = {  # AgentServer's reply by what the turn asks: a user turn with tools, a tool result, a user turn without
+    "call": {"content": None, "reasoning_content": "SERVER-THINK-1 I need the tool.", "tool_calls": [AGENT_CALL]},
+    "tool": {"content": "SERVER-ANSWER-1 It rains.", "reasoning_content": "SERVER-THINK-2 The tool says rain."},
+    "chat": {"content": "SERVER-ANSWER-2 Easy.", "reasoning_content": "SERVER-THINK-3 A sum."},
+}
+
+
+class AgentServer(FaultServer):
+    """FaultServer's bounds (127.0.0.1, at most max_requests chat requests, closed after max_seconds or on leaving its
+    `with`) answering as a server with reasoning and tool-call parsers does: AGENT_REPLIES, finish_reason "tool_calls"
+    for a call. Each request is in `.requests` with its tools; `.sent(kind)` counts the replies of one kind."""
+
+    def _answer(self, body: dict):
+        messages = body["messages"]
+        kind = "tool" if messages[-1]["role"] == "tool" else "call" if body.get("tools") else "chat"
+        with self.lock:
+            if len(self.requests) >= self.max_requests:
+                return 503, {"error": {"message": "agent server: request limit reached"}}, None
+            self.requests.append({"time": time.monotonic(), "messages": messages, "tools": body.get("tools"), "fault": kind})
+        if body.get("model") != self.model:
+            return 404, {"error": {"message": f"model {body.get('model')!r} is not served"}}, None
+        choice = {"index": 0, "message": {"role": "assistant", **AGENT_REPLIES[kind]}, "finish_reason": "tool_calls" if kind == "call" else "stop"}
+        return 200, {"id": f"agent-{len(self.requests)}", "object": "chat.completion", "model": self.model, "choices": [choice],
+                     "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}, None
 
 
 # --------------------------------------------------------------------------- SGLang's launch command

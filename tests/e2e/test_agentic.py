@@ -12,7 +12,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 from conftest import MODEL_NAME, make_workdir, snakemake
-from factories import THINKING_TEMPLATE, TOOLS_TEMPLATE
+from factories import AGENT_CALL, AGENT_REPLIES, THINKING_TEMPLATE, TOOLS_TEMPLATE, AgentServer
 
 from eyrie.target.chat_template import parse_tools, render
 from eyrie.tokens.tokenize import answered_messages
@@ -151,3 +151,68 @@ def test_in_process_regeneration_answers_in_the_context_of_the_sources_tool_resu
     assert "ANSWER-C" not in records["chat"]["messages"][1]["content"]  # the target's own reply, not the source's
     samples = pq.read_table(workdir / "results/tokens/agentic/0000.parquet").to_pylist()
     assert samples and all(sum(s["loss_mask"]) > 0 for s in samples)
+
+
+def test_served_reasoning_and_tool_calls_continue_on_the_sources_results_and_train_in_their_serving_context(tmp_path, shared_resources):
+    """replies: target through engine.kind openai, against a server whose parsers split reasoning and tool calls
+    (factories.AgentServer: get_weather for Oslo to every user turn with tools), up to the token shard (hidden.mode
+    online: no extraction). Its Oslo call is the source's first, so the record goes on with RESULT-1; its Oslo call to
+    "Bergen and Tromso?" is not, so the record ends there, counted. Every served turn trains, in its serving context."""
+    from eyrie.target.model import load_tokenizer
+
+    model = target_with_template(shared_resources / "models" / MODEL_NAME, tmp_path / "served-target", THINKING_TEMPLATE)
+    with AgentServer(model=model.name, max_requests=20, max_seconds=300) as server:
+
+        def served(config):
+            agentic_config(model)(config)
+            config["datasets"]["agentic"].update(replies="target", generation={"max_new_tokens": 16})
+            config["engine"] = {"kind": "openai", "openai": {"base_urls": [server.url], "max_in_flight": 1, "max_retries": 0,
+                                                             "health_timeout_s": 10, "timeout_s": 30}}
+            config["hidden"]["mode"] = "online"
+
+        workdir = make_workdir(tmp_path / "served", shared_resources, served)
+        (workdir / "data" / "agentic.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+        snakemake(workdir, "results/tokens/agentic/0000.parquet")  # rc 0: no shard failed
+    assert not (workdir / "results/hidden").exists()
+    # weather: a call, the answer on RESULT-1, the differing call; chat: two plain turns. Tools go only with the record that has them.
+    assert server.sent() == 5 and server.sent("call") == 2 and server.sent("chat") == 2
+    assert all((r["tools"] == TOOLS) == (r["fault"] != "chat") for r in server.requests)
+    (on_result,) = (r["messages"] for r in server.requests if r["fault"] == "tool")
+    assert on_result[-1] == {"role": "tool", "tool_call_id": "c1", "content": "RESULT-1 light rain, 9 C"}
+    assert on_result[-2]["tool_calls"] == [AGENT_CALL] and on_result[-2]["reasoning_content"] == AGENT_REPLIES["call"]["reasoning_content"]
+
+    completions = pq.read_table(workdir / "results/completions/agentic/0000.parquet")
+    assert json.loads(completions.schema.metadata[b"eyrie"])["stats"]["tool_calls_differ"] == 1
+    records = {r["id"]: r for r in completions.to_pylist()}
+    weather = records["weather"]["messages"]
+    assert [m["role"] for m in weather] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert weather[3]["content"] == "RESULT-1 light rain, 9 C" and weather[5]["content"] == "And in Bergen and Tromso?"
+    for call_turn in (weather[2], weather[6]):  # the server's split fields, kept apart: no thinking or call in the content
+        assert call_turn["reasoning_content"] == AGENT_REPLIES["call"]["reasoning_content"] and not call_turn["content"]
+        assert [c["function"] for c in json.loads(call_turn["tool_calls"])] == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    assert (weather[4]["content"], weather[4]["reasoning_content"]) == (AGENT_REPLIES["tool"]["content"], AGENT_REPLIES["tool"]["reasoning_content"])
+    chat = records["chat"]["messages"]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    assert all((m["content"], m["reasoning_content"]) == (AGENT_REPLIES["chat"]["content"], AGENT_REPLIES["chat"]["reasoning_content"])
+               for m in chat[1::2])
+
+    tokens_path = workdir / "results/tokens/agentic/0000.parquet"
+    stats = json.loads(pq.read_schema(tokens_path).metadata[b"eyrie"])["stats"]
+    samples = pq.read_table(tokens_path).to_pylist()
+    assert stats["per_turn_records"] == 2 and stats["turn_samples"] == 5 == len(samples)  # one sample per assistant turn
+    assert stats.get("unstable_turns", 0) == 0 and stats["truncated"] == 0
+    tokenizer = load_tokenizer(model)
+    for sample in samples:
+        record_id, _, turn = sample["id"].partition("#")
+        record = records[record_id]
+        messages = answered_messages([{k: v for k, v in m.items() if v is not None} for m in record["messages"]])
+        reply = messages[int(turn)]
+        start = sample["loss_mask"].index(1)
+        serving = render(tokenizer, messages[: int(turn)], True, parse_tools(record.get("tools")))
+        assert sample["input_ids"][:start] == tokenizer(serving, add_special_tokens=False)["input_ids"]  # the context, token for token
+        masked = tokenizer.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+        assert reply["role"] == "assistant" and reply["reasoning_content"] in masked and (reply.get("content") or "") in masked
+        assert all(json.dumps(c["function"]["arguments"]) in masked for c in json.loads(reply.get("tool_calls", "[]")))
+        assert masked.rstrip().endswith("<|im_end|>")
+        # tool results and user turns are context, never labels
+        assert not any(m["content"] in masked for m in messages if m["role"] in ("tool", "user") and isinstance(m["content"], str))

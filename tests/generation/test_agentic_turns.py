@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from factories import THINKING_TEMPLATE, byte_tokenizer
+from factories import AGENT_REPLIES, THINKING_TEMPLATE, AgentServer, byte_tokenizer
 
 from eyrie.generation.conversations import (
     TOOL_CALLS_DIFFER,
@@ -78,47 +78,25 @@ def test_a_servers_split_reply_keeps_reasoning_and_calls_and_requests_carry_json
     assert sent["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}' and sent["reasoning_content"] == "Call it."
 
 
+# ---------------------------------------------------------------- a weather conversation, in both engines' tests
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def weather_record(rid: str, city: str, follow_up: bool = False) -> dict:
+    """The source asks get_weather for `city`, answers on its result and, with `follow_up`, is thanked and says bye."""
+    source_call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+    messages = [
+        {"role": "user", "content": f"Rain in {city}?"},
+        {"role": "assistant", "content": None, "tool_calls": [source_call]},
+        {"role": "tool", "tool_call_id": "c1", "content": f"RESULT {city}: rain"},
+        {"role": "assistant", "content": "Yes."}]
+    if follow_up:
+        messages += [{"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Bye."}]
+    return {"id": rid, "tools": WEATHER_TOOLS, "messages": messages}
+
+
 # ---------------------------------------------------------------- against a local server with reasoning and tool parsers
-
-OSLO_CALL = {"id": "s1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-
-
-def agentic_server(requests: list):
-    """A chat-completions server whose parsers split reasoning and tool calls: it calls get_weather for Oslo when the
-    last message is a user's, and answers from a tool result."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def send(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self.send({"status": "ok"} if self.path == "/health" else {"object": "list", "data": [{"id": "agent", "object": "model"}]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            requests.append(body)
-            if body["messages"][-1]["role"] == "user":
-                message, reason = {"role": "assistant", "content": None, "reasoning_content": "I need the tool.", "tool_calls": [OSLO_CALL]}, "tool_calls"
-            else:
-                message, reason = {"role": "assistant", "content": "It rains.", "reasoning_content": "The tool says rain."}, "stop"
-            self.send({"id": "x", "object": "chat.completion", "model": "agent", "choices": [{"index": 0, "message": message, "finish_reason": reason}],
-                       "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 def test_the_openai_engine_sends_tools_and_keeps_the_reasoning_and_calls_its_server_splits_off(tmp_path):
@@ -129,38 +107,25 @@ def test_the_openai_engine_sends_tools_and_keeps_the_reasoning_and_calls_its_ser
     from eyrie.generation.openai_engine import OpenAIEngine
     from eyrie.generation.regenerate import regenerate_shard
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-
-    def record(rid, city):
-        source_call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
-        return {"id": rid, "tools": tools, "messages": [
-            {"role": "user", "content": f"Rain in {city}?"},
-            {"role": "assistant", "content": None, "tool_calls": [source_call]},
-            {"role": "tool", "tool_call_id": "c1", "content": f"RESULT {city}: rain"},
-            {"role": "assistant", "content": "Yes."}]}
-
     prompts = tmp_path / "prompts" / "0000.parquet"
-    build_prompts(dataset="t", records=[RawRecord("line 1", record("oslo", "Oslo")), RawRecord("line 2", record("paris", "Paris"))],
+    build_prompts(dataset="t", records=[RawRecord("line 1", weather_record("oslo", "Oslo")), RawRecord("line 2", weather_record("paris", "Paris"))],
                   n_shards=1, heldout_fraction=0.0, shard_paths=[prompts], heldout_path=tmp_path / "h.parquet",
                   summary_path=tmp_path / "s.json")
-    requests: list = []
-    server = agentic_server(requests)
-    try:
-        engine = OpenAIEngine([f"http://127.0.0.1:{server.server_address[1]}"], max_in_flight=1, max_retries=0, health_timeout_s=10, timeout_s=30)
+    with AgentServer(max_requests=10, max_seconds=120) as server:
+        engine = OpenAIEngine([server.url], max_in_flight=1, max_retries=0, health_timeout_s=10, timeout_s=30)
         settings = {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_turns": 2, "max_prompt_tokens": 200, "seed": 0}
         stats = regenerate_shard(prompts_path=str(prompts), out_path=str(tmp_path / "c.parquet"), partial_dir=str(tmp_path / "partial"),
                                  dataset="t", shard="0000", settings=settings, engine_settings={"max_batch_tokens": 2048, "max_batch_size": 4},
                                  engine=engine, model_fingerprint="fp", template_sha256="tpl")
-    finally:
-        server.shutdown()
-    assert all(body["tools"] == tools for body in requests)
+    assert all(r["tools"] == WEATHER_TOOLS for r in server.requests)
     records = {r["id"]: r for r in pq.read_table(tmp_path / "c.parquet").to_pylist()}
     oslo = records["oslo"]["messages"]
     assert [m["role"] for m in oslo] == ["user", "assistant", "tool", "assistant"]  # the call matched: asked on the source's result
-    assert oslo[1]["reasoning_content"] == "I need the tool." and json.loads(oslo[1]["tool_calls"])[0]["function"]["arguments"] == {"city": "Oslo"}
+    assert oslo[1]["reasoning_content"] == AGENT_REPLIES["call"]["reasoning_content"]
+    assert json.loads(oslo[1]["tool_calls"])[0]["function"]["arguments"] == {"city": "Oslo"}
     assert oslo[2]["content"] == "RESULT Oslo: rain"
-    assert (oslo[3]["content"], oslo[3]["reasoning_content"]) == ("It rains.", "The tool says rain.")
-    resent = next(body for body in requests if body["messages"][-1]["role"] == "tool")
+    assert (oslo[3]["content"], oslo[3]["reasoning_content"]) == (AGENT_REPLIES["tool"]["content"], AGENT_REPLIES["tool"]["reasoning_content"])
+    resent = next(r for r in server.requests if r["fault"] == "tool")
     assert resent["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'  # JSON text on the wire
     # Paris: the target called for Oslo, so the source's Paris result answers nothing it asked: the conversation ends.
     assert [m["role"] for m in records["paris"]["messages"]] == ["user", "assistant"] and stats["tool_calls_differ"] == 1
@@ -208,20 +173,8 @@ def test_the_in_process_engine_splits_its_target_reply_so_a_call_like_the_source
     from eyrie.data.sources import RawRecord
     from eyrie.generation.regenerate import regenerate_shard
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-
-    def record(rid, city):
-        source_call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
-        return {"id": rid, "tools": tools, "messages": [
-            {"role": "user", "content": f"Rain in {city}?"},
-            {"role": "assistant", "content": None, "tool_calls": [source_call]},
-            {"role": "tool", "tool_call_id": "c1", "content": f"RESULT {city}: rain"},
-            {"role": "assistant", "content": "Yes."},
-            {"role": "user", "content": "Thanks"},
-            {"role": "assistant", "content": "Bye."}]}
-
     prompts = tmp_path / "prompts" / "0000.parquet"
-    records = [RawRecord(f"line {i}", record(city.lower(), city)) for i, city in enumerate(["Oslo", "Paris", "Berlin"])]
+    records = [RawRecord(f"line {i}", weather_record(city.lower(), city, follow_up=True)) for i, city in enumerate(["Oslo", "Paris", "Berlin"])]
     build_prompts(dataset="t", records=records, n_shards=1, heldout_fraction=0.0, shard_paths=[prompts],
                   heldout_path=tmp_path / "h.parquet", summary_path=tmp_path / "s.json")
     engine = ScriptedTarget(write_as_target)
