@@ -15,6 +15,7 @@ from factories import tiny_family_config, tiny_llama
 from eyrie.decoding.batched_greedy import BatchedGreedy, BatchedModules, open_batched_greedy
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.static import StaticLlama, open_decoder, open_engine
+from eyrie.decoding.static_common import UnsupportedTargetError
 from eyrie.decoding.static_modules import StaticModules
 from eyrie.decoding.transformers_path import speculative_decode as transformers_speculative_decode
 from eyrie.decoding.tree import tree_speculative_decode
@@ -47,8 +48,9 @@ def family_model(family: str):
 
 def drafter_for(model, draft_vocab: int = 100) -> Eagle3Drafter:
     torch.manual_seed(1)
-    kept = torch.sort(torch.randperm(VOCAB)[:draft_vocab]).values
-    target_to_draft = torch.zeros(VOCAB, dtype=torch.bool)
+    vocab = model.get_input_embeddings().num_embeddings
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    target_to_draft = torch.zeros(vocab, dtype=torch.bool)
     target_to_draft[kept] = True
     shape = DrafterShape.from_target(model.config.get_text_config(decoder=True), draft_vocab, [0, 1, 2])
     drafter = Eagle3Drafter(shape, model.get_input_embeddings().weight, kept - torch.arange(draft_vocab), target_to_draft)
@@ -73,9 +75,11 @@ def models():
 
 
 def generated(model, prompt, new=NEW):
-    """transformers' own greedy generate, with no stop token (min_new_tokens would mask the stop token's logit instead)."""
+    """transformers' own greedy generate, with no stop token (min_new_tokens would mask the stop token's logit instead)
+    and every prompt token attended (without a mask, generate masks the tokens equal to pad_token_id)."""
     model.generation_config.eos_token_id = None
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0)
     assert out.shape[1] == len(prompt) + new
     return out[0, len(prompt):].tolist()
 
@@ -140,3 +144,117 @@ def test_a_target_the_engine_disagrees_with_falls_back_with_the_numbers(models):
     engine, label, reason = open_decoder(model, "auto", capacity=64, cuda_graphs=False)
     assert engine is model and label == "transformers"
     assert "differ from the model's own forward" in reason and "probe tokens" in reason
+
+
+# --------------------------------------------------------------------------- scaled rope
+
+# Rope scalings whose tables the static engines build once (static_common.STATIC_ROPE_TYPES), from a context of 32 that
+# the longest prompt's generation passes (it reaches position 37). None of these families' modeling code applies a
+# partial_rotary_factor (their attention rotates the whole head), so partial rotary has no target here.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,  # Llama 3.1's, its context aside
+          "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32, "rope_theta": 1000000.0}  # factor: max_position_embeddings 1024 / 32
+DEEPSEEK_YARN = {**YARN, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}  # mscale scales its softmax too
+ROPE_TARGETS = {"llama-llama3": ("llama", LLAMA3), "llama-yarn": ("llama", YARN), "qwen3-yarn": ("qwen3", YARN),
+                "deepseek_v3-yarn": ("deepseek_v3", DEEPSEEK_YARN)}
+# A vocabulary of 8 (6 drafted) so that a random drafter's chains and trees accept some drafts; weights of std 0.2,
+# since at 0.02 attention is nearly uniform and the tokens barely depend on the rope.
+ROPE_VOCAB, ROPE_DRAFT_VOCAB = 8, 6
+ROPE_PROMPTS = [[token % ROPE_VOCAB for token in prompt] for prompt in PROMPTS]
+# Rope types whose frequencies change with the sequence length: one static table cannot hold them.
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 32,
+            "rope_theta": 10000.0}  # 8 factors: head_dim 16 / 2
+
+
+def rope_model(family: str, rope: dict):
+    """A 4-layer target of `family` with `rope` as its rope_parameters, norms with noise as family_model's."""
+    if family == "llama":
+        return tiny_llama(layers=4, vocab=ROPE_VOCAB, positions=1024, initializer_range=0.2, rope_parameters=dict(rope)).eval()
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_family_config(family, vocab=ROPE_VOCAB, window=WINDOW, layers=4, rope=dict(rope), initializer_range=0.2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
+
+
+@pytest.fixture(scope="module")
+def rope_models():
+    built = {}
+
+    def get(target):
+        if target not in built:
+            model = rope_model(*ROPE_TARGETS[target])
+            built[target] = (model, drafter_for(model, ROPE_DRAFT_VOCAB), open_engine(model, capacity=64, cuda_graphs=False))
+        return built[target]
+
+    return get
+
+
+@pytest.mark.parametrize("target", ROPE_TARGETS)
+def test_static_greedy_equals_transformers_generate_under_scaled_rope(target, rope_models):
+    model, _, engine = rope_models(target)
+    family, rope = ROPE_TARGETS[target]
+    assert type(engine) is (StaticLlama if family == "llama" else StaticModules)
+    assert model.get_decoder().rotary_emb.rope_type == rope["rope_type"]
+    assert max(map(len, ROPE_PROMPTS)) + NEW > rope["original_max_position_embeddings"] + 4
+    expected = [generated(model, prompt) for prompt in ROPE_PROMPTS]
+    for prompt, tokens in zip(ROPE_PROMPTS, expected):
+        assert greedy_decode(engine, prompt, NEW, set()).tokens == tokens
+    # The scaling reaches the tokens: the same weights under unscaled rope generate otherwise, so an engine that
+    # dropped the scaling would fail the comparison above.
+    unscaled = rope_model(family, {"rope_type": "default", "rope_theta": rope["rope_theta"]})
+    assert [generated(unscaled, prompt) for prompt in ROPE_PROMPTS] != expected
+
+
+@pytest.mark.parametrize("target", ROPE_TARGETS)
+def test_chain_and_tree_speculation_equal_greedy_under_scaled_rope(target, rope_models):
+    """The drafter takes the target's rope (DrafterShape.from_target), so its static tables are scaled too."""
+    model, drafter, engine = rope_models(target)
+    assert drafter.rotary.rope.rope_type == ROPE_TARGETS[target][1]["rope_type"]
+    steps, topk, draft_tokens = TREES[0]
+    chain_lengths, tree_lengths = [], []
+    for prompt in ROPE_PROMPTS[:2]:
+        expected = generated(model, prompt)
+        chain = speculative_decode(engine, drafter, prompt, NEW, set(), 3)
+        assert chain.tokens == expected
+        static = tree_decode(engine, drafter, prompt, NEW, set(), steps, topk, draft_tokens)
+        reference = tree_speculative_decode(model, drafter, prompt, NEW, set(), steps, topk, draft_tokens)
+        assert static.tokens == expected and reference.tokens == expected
+        assert static.acceptance_lengths == reference.acceptance_lengths
+        chain_lengths += chain.acceptance_lengths
+        tree_lengths += static.acceptance_lengths
+    # Rounds that accept drafts and rounds that reject some, or the rounds test little.
+    for lengths in (chain_lengths, tree_lengths):
+        assert max(lengths) > 1 and min(lengths) <= 3, lengths
+
+
+@pytest.mark.parametrize(("family", "rope"), [("llama", DYNAMIC), ("qwen3", DYNAMIC), ("llama", LONGROPE)],
+                         ids=["llama-dynamic", "qwen3-dynamic", "llama-longrope"])
+def test_a_rope_that_changes_with_the_length_is_refused_by_name(family, rope):
+    """No static table for it: open_engine refuses, naming the rope type, and the benchmark's decoder falls back to
+    transformers with that reason rather than decoding with a table of the wrong frequencies."""
+    model = rope_model(family, rope)
+    named = f"rope_type {rope['rope_type']!r}"
+    with pytest.raises(UnsupportedTargetError, match=named):
+        open_engine(model, capacity=64, cuda_graphs=False)
+    with pytest.raises(UnsupportedTargetError, match=named):
+        open_decoder(model, "static", capacity=64, cuda_graphs=False)
+    engine, label, reason = open_decoder(model, "auto", capacity=64, cuda_graphs=False)
+    assert engine is model and label == "transformers" and named in reason
+
+
+def test_a_drafter_whose_rope_changes_with_the_length_is_refused_by_name(rope_models):
+    """A static target with a drafter built for a dynamic-rope target: the static rounds refuse the drafter."""
+    _, _, engine = rope_models("llama-llama3")
+    drafter = drafter_for(rope_model("llama", DYNAMIC), ROPE_DRAFT_VOCAB)
+    assert drafter.rotary.rope.rope_type == "dynamic"
+    with pytest.raises(UnsupportedTargetError, match="rope_type 'dynamic'"):
+        speculative_decode(engine, drafter, ROPE_PROMPTS[0], NEW, set(), 3)
+    with pytest.raises(UnsupportedTargetError, match="rope_type 'dynamic'"):
+        tree_decode(engine, drafter, ROPE_PROMPTS[0], NEW, set(), *TREES[0])
