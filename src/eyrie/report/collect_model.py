@@ -313,7 +313,7 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     if not Path(path).exists():
         return {"name": name, "path": path, "built": False, "measured": False, "error": None}
     try:
-        data = read_json(path, written_by=f"benchmark_{'heldout' if name not in ('humaneval', 'mtbench', 'bfcl', 'gsm8k') else name}")
+        data = read_json(path, written_by=f"benchmark_{'heldout' if name not in ('humaneval', 'mtbench', 'bfcl', 'math') else name}")
         if not isinstance(data, dict):
             raise ArtifactError(f"{path}: not a JSON object")
     except ArtifactError as err:
