@@ -33,6 +33,15 @@ def test_an_address_the_user_names_is_used():
     assert command[command.index("--rdzv-endpoint") + 1] == "10.1.2.3:0"
     assert command[command.index("--master-addr") + 1] == "10.1.2.3"
     assert env[BIND_ENV] == "10.1.2.3"
+    assert "GLOO_SOCKET_IFNAME" not in env and "NCCL_SOCKET_IFNAME" not in env  # the ranks use the network the user named
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the loopback interface is named lo on Linux")
+def test_the_ranks_own_sockets_stay_on_loopback_unless_the_user_chose_an_interface():
+    _, env = torchrun_command("pkg.mod", "a.json", 2, environ={})
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    _, env = torchrun_command("pkg.mod", "a.json", 2, environ={"MASTER_ADDR": "127.0.0.1", "NCCL_SOCKET_IFNAME": "ib0"})
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "ib0"
 
 
 def test_training_launches_through_the_same_command(monkeypatch, tmp_path):
@@ -57,7 +66,7 @@ from pathlib import Path
 import torch.distributed as dist
 dist.init_process_group("gloo")
 go = Path(sys.argv[1])
-Path(str(go) + f".ready{os.environ['RANK']}").write_text(str(os.getppid()))
+Path(str(go) + f".ready{os.environ['RANK']}").write_text(f"{os.getppid()} {os.getpid()}")
 deadline = time.monotonic() + 60
 while not go.exists() and time.monotonic() < deadline:
     time.sleep(0.1)
@@ -105,10 +114,13 @@ def test_a_real_launch_listens_on_loopback_only(tmp_path, monkeypatch):
             assert process.poll() is None, process.stdout.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
-        agent = int(ready[0].read_text())  # the ranks' parent: torchrun's agent, which hosts the stores
+        agent = int(ready[0].read_text().split()[0])  # the ranks' parent: torchrun's agent, which hosts the stores
         addresses = _listening(agent)
         assert addresses, "the agent hosts the rendezvous store: it must listen somewhere"
         assert set(addresses) == {"127.0.0.1"}, addresses
+        for path in ready:  # each rank's own gloo sockets
+            rank = int(path.read_text().split()[1])
+            assert set(_listening(rank)) <= {"127.0.0.1"}, (path.name, _listening(rank))
         go.write_text("")
         assert process.wait(timeout=60) == 0
     finally:

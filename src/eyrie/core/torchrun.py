@@ -42,7 +42,21 @@ def torchrun_command(module: str, args_path: str | Path, processes: int, environ
         "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:0", "--master-addr", address,
         "--nproc_per_node", str(processes), "-m", module, str(args_path),
     ]
-    return command, {**environ, **DISTRIBUTED_ENV, BIND_ENV: address}
+    return command, {**environ, **DISTRIBUTED_ENV, **loopback_sockets(address, environ), BIND_ENV: address}
+
+
+def loopback_sockets(address: str, environ: dict) -> dict:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME = lo where the ranks meet on loopback (Linux), unless the user set them:
+    the ranks' own gloo and NCCL sockets otherwise take the interface the host name resolves to, which may face out."""
+    import ipaddress
+
+    try:
+        loopback = address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name the user gave: its interface is theirs to choose
+        loopback = False
+    if not loopback or not sys.platform.startswith("linux"):
+        return {}
+    return {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in environ}
 
 
 def run_ranks(module: str, kwargs: dict, processes: int, args_path: str | Path) -> int:
