@@ -53,6 +53,7 @@ WRITTEN_BY = "regenerate_shard"  # the Snakemake rule that writes a completions 
 # A row's `ends_conversation`: the reply is kept, but the source's tool results after it answer other calls.
 TOOL_CALLS_DIFFER = "tool_calls_differ"
 REPLY_FIELDS = ("reasoning_content", "tool_calls")  # what a row may carry beside its reply text
+REPLY_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")  # any of them non-empty: the reply says something
 
 
 def completions_schema(records: list[dict]) -> pa.Schema:
@@ -124,6 +125,12 @@ class Conversation:
         if not any(m["role"] == "tool" for m in self.turn_input(turn + 1)):
             return None
         return None if same_tool_calls(tool_calls, self.replies[turn].get("tool_calls")) else TOOL_CALLS_DIFFER
+
+
+def empty_reply(message) -> bool:
+    """Whether a chat completion's message (or a logged row read as one) says nothing: no content, no reasoning, no
+    tool call (None, "" or [])."""
+    return not isinstance(message, dict) or not any(message.get(key) for key in REPLY_KEYS)
 
 
 def reply_fields(message: dict) -> dict:

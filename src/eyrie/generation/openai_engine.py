@@ -60,6 +60,7 @@ from eyrie.generation.conversations import (
     ERROR,
     PROMPT_TOO_LONG,
     Conversation,
+    empty_reply,
     make_row,
     openai_messages,
     reply_fields,
@@ -72,7 +73,6 @@ FATAL_STATUS = {401, 403, 404, 405}  # the configuration is wrong, not the promp
 ERROR_TEXT_CHARS = 1000
 # The named permanent refusal: a 4xx saying the prompt is over the context (SGLang, vLLM, OpenAI wordings; 413 by status).
 PERMANENT_REFUSAL = re.compile(r"context[ _]length|maximum context|context window|longer than the model|too many tokens|prompt is too long", re.I)
-REPLY_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")  # any of them non-empty: the reply says something
 
 
 class ServerUnavailable(EyrieError):
@@ -118,11 +118,6 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if when is None or when.tzinfo is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-def empty_reply(message) -> bool:
-    """Whether a chat completion's message says nothing: no content, no reasoning, no tool call (None, "" or [])."""
-    return not isinstance(message, dict) or not any(message.get(key) for key in REPLY_KEYS)
 
 
 def retry_budget_s(max_retries: int, backoff_s: float, backoff_max_s: float) -> float:

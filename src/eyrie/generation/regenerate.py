@@ -48,13 +48,13 @@ from eyrie.generation.conversations import (
     REPLY_FIELDS,
     Conversation,
     completions_schema,
+    empty_reply,
     load_conversations,
     make_row,
     settings_key,
     stable_seed,
     to_record,
 )
-from eyrie.generation.openai_engine import empty_reply
 from eyrie.generation.partial import PartialLog, log_path
 
 MAX_ERROR_EXAMPLES = 20
@@ -84,7 +84,7 @@ def resume(conversations: list[Conversation], done: dict[tuple[str, int], dict])
 
 
 def said_nothing(row: dict) -> bool:
-    """Whether a logged turn's reply is empty as the server engine judges one (openai_engine.empty_reply): no text,
+    """Whether a logged turn's reply is empty as a server's reply is judged (conversations.empty_reply): no text,
     reasoning or tool call. A prompt_too_long row is empty by design: it ends the conversation, it is not a reply."""
     if row["finish_reason"] in ENDS_CONVERSATION:
         return False

@@ -19,6 +19,7 @@ class TurnResult:
 
 
 BATCHING = ("auto", "padded", "continuous", "static")
+GENERATION_PROMPT_TOKENS = 32  # more than any template's generation prompt ("<|im_start|>assistant\n<think>\n": 4)
 
 
 def check_batching(batching: str) -> str:
@@ -165,7 +166,8 @@ class TransformersEngine:
         stop_at = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
         new_tokens = row if stop_at is None else row[:stop_at]
         # Split as a server's reasoning and tool parsers would, so the row matches the OpenAI engine's.
-        in_thinking = opens_thinking(self.tokenizer.decode(prompt, skip_special_tokens=False), self.markers)
+        # The prompt's last tokens hold its generation prompt: decoding them alone tells whether it opened thinking.
+        in_thinking = opens_thinking(self.tokenizer.decode(prompt[-GENERATION_PROMPT_TOKENS:], skip_special_tokens=False), self.markers)
         reply, extra = split_reply(self.tokenizer.decode(new_tokens, skip_special_tokens=True), self.markers, in_thinking)
         return TurnResult(
             reply=reply,
