@@ -47,6 +47,7 @@ import contextlib
 import functools
 import json
 import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -70,6 +71,16 @@ PROFILE_CAPACITY, PROFILE_SPAN = 512, 256  # the profiled steps' cache; position
 
 
 TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": two_stage_top_k, "ranked": ranked_top_k}
+
+
+def use_compile_mode(mode: str | None) -> None:
+    """torch.compile's mode for the floor and the static decoder (both read it when they compile)."""
+    import eyrie.decoding.floor
+    import eyrie.decoding.static_common
+    import eyrie.decoding.static_llama
+
+    for module in (eyrie.decoding.static_common, eyrie.decoding.static_llama, eyrie.decoding.floor):
+        module.COMPILE_MODE = mode
 
 
 def use_top_k(way: str) -> None:
@@ -146,23 +157,30 @@ def run(dtype_name: str, args) -> list[dict]:
         rows.append({"dtype": dtype_name, "decoder": "memory-floor", "ms_per_token": floor_ms, "ratio_to_floor": 1.0,
                      "first_divergence_from_floor": None, "capture_failures": []})
     elif args.floor:
+        built = time.perf_counter()
         floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs)
-        floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+        floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)]
+        build_seconds = time.perf_counter() - built - sum(s for _, s in floor_runs)
+        floor_runs = floor_runs[WARMUPS:]
         floor_tokens = floor_runs[0][0]
         floor_ms = 1000 * statistics.median(s for _, s in floor_runs) / (args.tokens - 1)
         rows.append({"dtype": dtype_name, "decoder": "floor" + ("-compiled" if args.compile else ""), "ms_per_token": floor_ms,
-                     "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures})
+                     "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures,
+                     "build_seconds": build_seconds})
 
     for compile in [True] if args.compiled_only else ([False, True] if args.compile else [False]):
+        built = time.perf_counter()
         engine = open_engine(model, capacity=capacity, cuda_graphs=graphs, compile=compile) if args.target else \
             StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile)
-        results = [greedy_decode(engine, prompt, args.tokens, set()) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
+        results = [greedy_decode(engine, prompt, args.tokens, set()) for _ in range(args.repeats + WARMUPS)]
+        build_seconds = time.perf_counter() - built - sum(r.seconds for r in results)
+        results = results[WARMUPS:]
         # greedy_decode times the prefill too: subtract a prefill-only run's time
         prefill = statistics.median(greedy_decode(engine, prompt, 1, set()).seconds for _ in range(3))
         ms = 1000 * (statistics.median(r.seconds for r in results) - prefill) / (args.tokens - 1)
         row = {"dtype": dtype_name, "decoder": engine.label, "ms_per_token": ms, "ratio_to_floor": ms / floor_ms,
                "first_divergence_from_floor": None if floor_tokens is None else first_divergence(results[0].tokens, floor_tokens),
-               "capture_failures": engine.capture_failures}
+               "capture_failures": engine.capture_failures, "build_seconds": build_seconds}
         if args.drafter_k:
             drafter = random_drafter(model, args.draft_vocab)
             spec = [speculative_decode(engine, drafter, prompt, args.tokens, set(), args.drafter_k) for _ in range(args.repeats + WARMUPS)][WARMUPS:]
@@ -179,6 +197,52 @@ def run(dtype_name: str, args) -> list[dict]:
                                                 "round_in_greedy_steps": 1000 * (best.seconds - prefill) / best.rounds / ms,
                                                 "lossless": best.tokens == results[0].tokens})
         rows.append(row)
+    return rows
+
+
+def run_batches(dtype_name: str, args) -> list[dict]:
+    """--batches: batched greedy, the chain (a random drafter at --drafter-k) and prompt lookup at each B on the batched
+    static engine, CUDA graphs per batch width on a GPU: ms per greedy step, ms per round and the round in greedy steps
+    (the acceptance a setting needs to break even), and whether the graphed rounds give the eager rounds' tokens."""
+    from eyrie.bench.concurrency import decoders_for
+    from eyrie.decoding.batched_greedy import open_batched_greedy
+
+    model, prompt = random_target(dtype_name, args)
+    drafter = random_drafter(model, args.draft_vocab)
+    graphs = model.device.type == "cuda"
+    k = max(args.drafter_k, 1)
+    settings = [{"label": f"chain {k}", "kind": "chain", "draft_tokens": k}, {"label": f"n-gram {k}", "kind": "ngram", "draft_tokens": k}]
+    rows = []
+    for batch in args.batches:
+        g = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_tokens // 2 + (7 * i) % args.prompt_tokens,), generator=g).tolist()
+                   for i in range(batch)]
+        engine = open_batched_greedy(model, 0, set(), rows=batch, cuda_graphs=graphs)
+        decoders = decoders_for(engine, drafter, settings, prompts, args.tokens)
+        sync = torch.cuda.synchronize if graphs else (lambda: None)
+        engine.generate(prompts, args.tokens)
+        times = []
+        for _ in range(args.repeats):
+            sync()
+            start = time.perf_counter()
+            engine.generate(prompts, args.tokens)
+            sync()
+            times.append(time.perf_counter() - start)
+        step_ms = 1000 * statistics.median(times) / args.tokens
+        row = {"dtype": dtype_name, "batch": batch, "rows": engine.rows, "greedy_ms_per_step": step_ms, "capture_failures": engine.capture_failures}
+        eager = open_batched_greedy(model, 0, set(), rows=batch, cuda_graphs=False)
+        for setting, decoder in zip(settings, decoders):
+            decoder.generate(prompts, 8, set(), k)
+            runs = [decoder.generate(prompts, args.tokens, set(), k) for _ in range(args.repeats)]
+            best = min(runs, key=lambda r: r.seconds)
+            reference = decoders_for(eager, drafter, [setting], prompts, args.tokens)[0].generate(prompts, args.tokens, set(), k)
+            row[setting["kind"]] = {"ms_per_round": 1000 * best.seconds / best.rounds, "round_in_greedy_steps": best.seconds / best.rounds * 1000 / step_ms,
+                                    "graphs_match_eager": best.tokens == reference.tokens}
+        rows.append(row)
+        print(f"{dtype_name:9} B {batch:3}  greedy {step_ms:7.3f} ms/step   chain {k}: {row['chain']['ms_per_round']:7.3f} ms/round = "
+              f"{row['chain']['round_in_greedy_steps']:5.2f} steps (graphs = eager: {row['chain']['graphs_match_eager']})   n-gram: "
+              f"{row['ngram']['ms_per_round']:7.3f} ms = {row['ngram']['round_in_greedy_steps']:5.2f} steps ({row['ngram']['graphs_match_eager']})"
+              + (f"  CAPTURE FAILED: {engine.capture_failures[:1]}" if engine.capture_failures else ""), flush=True)
     return rows
 
 
@@ -306,6 +370,8 @@ def main() -> None:
     parser.add_argument("--drafter-k", type=int, default=4, help="speculative rounds of this chain length with a random drafter (0: none)")
     parser.add_argument("--trees", type=lambda text: tuple(int(v) for v in text.split(",")), nargs="*", default=[],
                         metavar="S,K,N", help="also time tree rounds of these SGLang (steps, topk, draft tokens), e.g. 5,4,8 8,10,64")
+    parser.add_argument("--batches", type=int, nargs="*", default=[], help="in place of the timings above: batched greedy, the "
+                        "chain and prompt lookup at each of these batch sizes (run_batches)")
     parser.add_argument("--small", action="store_true", help="a tiny random Llama (CPU smoke test)")
     parser.add_argument("--target", choices=["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b"],
                         help="a real target's shape (random weights) on eyrie.decoding.static.open_engine; a non-Llama target "
@@ -313,6 +379,8 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants (CPU smoke test)")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (an engine-against-engine comparison)")
     parser.add_argument("--compiled-only", action="store_true", help="time only the compiled static decoder")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile's mode for the floor and the static decoder's "
+                        "pieces (default: inductor's default, as bench.compile; e.g. max-autotune-no-cudagraphs)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--against", help="rows an earlier run wrote with --out (e.g. the previous engine's source on PYTHONPATH, "
                                           "in the same call): print this run's ms over that one's, row by row")
@@ -324,8 +392,15 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, help="--profile-round: print each range's N costliest kernels "
                         "(name, count and us per step)")
     args = parser.parse_args()
+    use_compile_mode(None if args.compile_mode == "default" else args.compile_mode)
     if args.top_k:
         use_top_k(args.top_k)
+    if args.batches:
+        rows = [row for dtype in args.dtypes for row in run_batches(dtype, args)]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({**machine(), "batches": rows}, f, indent=1)
+        return
     if args.profile_round:
         profiles = {}
         for dtype in args.dtypes:
@@ -344,6 +419,7 @@ def main() -> None:
         print(f"{r['dtype']:9} {r['decoder']:28} {r['ms_per_token']:9.3f} {r['ratio_to_floor']:8.2f} {r['first_divergence_from_floor']!s:>11} "
               f"{r.get('ms_per_round', float('nan')):9.3f} {r.get('round_in_greedy_steps', float('nan')):10.2f}"
               + (f"  lossless {r['spec_lossless']}" if "spec_lossless" in r else "")
+              + f"  built in {r.get('build_seconds', float('nan')):.0f} s"
               + ("" if not r["capture_failures"] else f"  CAPTURE FAILED: {r['capture_failures'][:1]}"))
         for t in r.get("trees", []):
             print(f"{'':9} {'  tree ' + str((t['steps'], t['topk'], t['draft_tokens'])):28} {'':9} {'':8} {'':11} "

@@ -518,9 +518,8 @@ def _concurrency(bench: _Bench) -> dict:
         return {"batches": sorted(set(cfg["concurrency"])), "off_reason": f"no static engine: {bench.fallback}", "per_batch": []}
     pad_id = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else min(bench.stop_ids)
     with bench.phases(f"concurrency (B = {', '.join(map(str, sorted(set(cfg['concurrency']))))})"):
-        # Eager for greedy and speculation alike: the batched rounds are not captured as graphs yet, and a graphed
-        # greedy beside eager rounds would measure launch overhead, not speculation.
-        engine = open_batched_greedy(bench.model, pad_id, bench.stop_ids, rows=max(cfg["concurrency"]), cuda_graphs=False)
+        # Greedy steps and speculative rounds alike as CUDA graphs per batch width on a GPU (eager on a CPU).
+        engine = open_batched_greedy(bench.model, pad_id, bench.stop_ids, rows=max(cfg["concurrency"]))
         return concurrency_block(bench.model, engine, bench.drafter, bench.encoded, cfg, bench.stop_ids, bench.sweep,
                                  bench.drafter_dir if bench.drafter_dir is not None else None)
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import copy
 import json
 import shlex
+import time
 
-from eyrie.decoding.batched_speculative import BatchedSpeculative, trimmed
+from eyrie.decoding.batched_speculative import BatchedSpeculative, needed_slots, trimmed
 from eyrie.target.serving import eagle3_flags
 
 NO_SPECULATION = "no speculation"
@@ -40,30 +41,38 @@ def batch_prompts(encoded: list[tuple[str, list[int]]], batch: int) -> list[list
     return [encoded[i % len(encoded)][1] for i in range(batch)]
 
 
-def _decode(engine, drafter, setting: dict, prompts, max_new_tokens: int, stop_ids):
-    decoder = BatchedSpeculative(engine, drafter if setting["kind"] == "chain" else "ngram")
-    return decoder.generate(prompts, max_new_tokens, stop_ids, setting["draft_tokens"])
-
-
 def _greedy(engine, prompts, max_new_tokens: int, stop_ids):
-    import time
-
     start = time.perf_counter()
     rows = engine.generate(prompts, max_new_tokens)
     return [trimmed(r, stop_ids) for r in rows], time.perf_counter() - start
 
 
+def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens: int) -> list[BatchedSpeculative]:
+    """One decoder per setting, with the engine grown to the largest setting's cache first and each setting's round
+    graphs captured (BatchedSpeculative.prepare): nothing is allocated or captured inside a timed decode."""
+    width = max(len(p) for p in prompts)
+    slots = max([width + max_new_tokens] + [needed_slots(width, max_new_tokens, s["draft_tokens"])[0] for s in settings])
+    engine.reserve(len(prompts), slots, max_new_tokens)
+    decoders = []
+    for setting in settings:
+        decoder = BatchedSpeculative(engine, drafter if setting["kind"] == "chain" else "ngram")
+        decoder.prepare(len(prompts), width, max_new_tokens, setting["draft_tokens"])
+        decoders.append(decoder)
+    return decoders
+
+
 def measure_batch(engine, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids) -> tuple[dict, list[dict]]:
     """(greedy's figures, each setting's) at B = len(prompts), each warmed up once untimed first."""
+    decoders = decoders_for(engine, drafter, settings, prompts, max_new_tokens)
     _greedy(engine, prompts, WARMUP_TOKENS, stop_ids)
     greedy_tokens, greedy_seconds = _greedy(engine, prompts, max_new_tokens, stop_ids)
     batch, total = len(prompts), sum(len(t) for t in greedy_tokens)
     greedy = {"tokens_per_s": total / greedy_seconds, "per_request_tokens_per_s": total / greedy_seconds / batch, "new_tokens": total,
               "seconds": greedy_seconds}
     rows = []
-    for setting in settings:
-        _decode(engine, drafter, setting, prompts, WARMUP_TOKENS, stop_ids)
-        result = _decode(engine, drafter, setting, prompts, max_new_tokens, stop_ids)
+    for setting, decoder in zip(settings, decoders):
+        decoder.generate(prompts, WARMUP_TOKENS, stop_ids, setting["draft_tokens"])
+        result = decoder.generate(prompts, max_new_tokens, stop_ids, setting["draft_tokens"])
         produced = sum(len(t) for t in result.tokens)
         row_rounds = sum(len(lengths) for lengths in result.acceptance_lengths)
         emitted = sum(sum(lengths) for lengths in result.acceptance_lengths)
@@ -83,7 +92,9 @@ def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tok
     model32, drafter32 = copy.deepcopy(model).float(), copy.deepcopy(drafter).float()
     engine = open_batched_greedy(model32, pad_id, stop_ids, rows=len(prompts), cuda_graphs=False)
     greedy, _ = _greedy(engine, prompts, max_new_tokens, stop_ids)
-    return [sum(a == b for a, b in zip(_decode(engine, drafter32, s, prompts, max_new_tokens, stop_ids).tokens, greedy)) for s in settings]
+    decoders = decoders_for(engine, drafter32, settings, prompts, max_new_tokens)
+    return [sum(a == b for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["draft_tokens"]).tokens, greedy))
+            for s, d in zip(settings, decoders)]
 
 
 def recommend(rows: list[dict]) -> dict | None:
@@ -180,6 +191,7 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
                                    "recommended": None if best is None else {k: best[k] for k in ("label", "kind", "draft_tokens", "speedup")},
                                    "recommendation": NO_SPECULATION if best is None else best["label"],
                                    "sglang_flags": sglang_flags(best)})
+    block["capture_failures"] = list(dict.fromkeys(engine.capture_failures))  # steps or rounds that ran eagerly, and why
     block["vllm_schedule"] = vllm_schedule(block["per_batch"])
     block["vllm_flags"] = vllm_flags(block["vllm_schedule"], drafter_dir or "<drafter>")
     block["sglang_adaptive_config"] = sglang_adaptive_config(block["per_batch"])

@@ -62,6 +62,13 @@ class BatchedRows:
             self.step.zero_()
             self.steps[span] = Replay(functools.partial(self._decode_step, span), self.use_graphs, self.capture_failures)
 
+    def reserve(self, rows: int, slots: int, max_new: int) -> None:
+        """Grow the row buffers and cache to hold `rows` rows, `slots` cache slots and `max_new` new tokens (recapturing
+        the greedy graphs): before a timed decode, so that none of it happens inside the timing."""
+        slots = round_up(slots)
+        if rows > self.rows or slots > self.capacity or max_new > self.max_new:
+            self._allocate(max(rows, self.rows), max(slots, self.capacity), max(max_new, self.max_new))
+
     def _emit(self, predicted: torch.Tensor) -> None:
         """Store each row's new token (padding once finished) and feed it to the next step."""
         predicted = torch.where(self.done, self.pad_id, predicted)
@@ -104,9 +111,7 @@ class BatchedRows:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Up to max_new_tokens greedy tokens per prompt; a row stops after its first stop token (padding follows)."""
         count, width = len(prompts), max(len(p) for p in prompts)
-        needed = round_up(width + max_new_tokens)
-        if count > self.rows or needed > self.capacity or max_new_tokens > self.max_new:
-            self._allocate(max(count, self.rows), max(needed, self.capacity), max(max_new_tokens, self.max_new))
+        self.reserve(count, width + max_new_tokens, max_new_tokens)
         dummies = self.rows - count  # one padding token each, finished from the start
         ids = [[self.pad_id] * (width - len(p)) + list(p) for p in prompts] + [[self.pad_id] * width] * dummies
         self.pads.copy_(torch.tensor([width - len(p) for p in prompts] + [width - 1] * dummies))

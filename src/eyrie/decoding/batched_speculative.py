@@ -6,15 +6,22 @@ the EAGLE-3 chain or prompt lookup, each row accepting its own number of drafts 
            current token and its accepted drafts; the rest become holes, masked for that row from then on (`valid`).
   rope     a row's positions are its own: the count of its valid slots, not the slot index (left padding and holes
            cancel), so each row sees exactly the sequence batch-1 decoding sees.
-  finished rows are masked: they still ride in the batch (static shapes), emit nothing and stop counting.
+  rounds   every round has the same shapes (the first round's drafter extend is padded to k + 1 like the others), and
+           its state lives in device buffers (slots, positions, the drafter's extend inputs), so a round is one CUDA
+           graph per pair of attention spans, captured before the prefill (`prepare`, untimed) as batched greedy
+           captures its steps; on a CPU the same function runs eagerly. One host read per round: accepted counts and
+           tokens. Prompt lookup drafts on the host; its drafts enter the graph through a buffer.
+  finished rows are masked: they still ride in the batch (static shapes, as in batched greedy), emit nothing and stop
+           counting.
 
 Holes cost attention width: a round spans k + 1 slots whatever it accepts, so the span grows by k + 1 per round; at
 the benchmark's lengths (a few hundred slots) attention is a small part of a step. Trees are not batched: EAGLE's
-maintainers advise no trees above batch 1. Rounds run eagerly, one host read per round (accepted counts and tokens).
+maintainers advise no trees above batch 1.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -22,6 +29,7 @@ import torch
 
 from eyrie.decoding.batched_greedy import BatchedRows
 from eyrie.decoding.common import emit
+from eyrie.decoding.graphs import Replay
 from eyrie.decoding.ngram import MAX_NGRAM, MIN_NGRAM, lookup
 from eyrie.decoding.static_common import round_up, span_for
 from eyrie.drafter.model import Eagle3Drafter
@@ -31,7 +39,7 @@ from eyrie.target.aux_layers import capture_indices
 @dataclass
 class BatchedSpecResult:
     tokens: list[list[int]]  # per request: new tokens, ending with the stop token if one was produced
-    seconds: float  # the whole batch, prefill included
+    seconds: float  # the whole batch, prefill included (graph capture excluded: prepare() runs before the clock)
     rounds: int  # verify rounds the batch ran (a target forward each)
     acceptance_lengths: list[list[int]]  # per request, per round it was active: tokens the round emitted for it
 
@@ -43,83 +51,105 @@ def needed_slots(width: int, max_new_tokens: int, draft_tokens: int) -> tuple[in
     return round_up(width + rounds * (draft_tokens + 1) + 1), round_up(width + rounds * 2 * draft_tokens + 2 * draft_tokens + 1)
 
 
+def _new_slots(slots: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor:
+    """(count, S): query i of a forward written at slots first..first+count-1 sees the new slots first..first+i."""
+    offsets = torch.arange(count, device=slots.device)[:, None]
+    return (slots[None] >= first) & (slots[None] <= first + offsets)
+
+
 class ChainDrafts:
     """The EAGLE-3 chain for every row: the drafter's own modules on a (rows, heads, slots, head_dim) cache written by
-    slot, as eyrie.decoding.static_drafter.ChainRounds runs them at batch 1 (extend k + 1 rows, then k - 1 steps)."""
+    slot, as eyrie.decoding.static_drafter.ChainRounds runs them at batch 1 (extend k + 1 rows, then k - 1 steps).
+
+    Its round state is in device buffers: `slot` (the next drafter slot), and the extend's inputs (the verify's features
+    `ext_aux`, the tokens after them `ext_ids`, the first one's position `ext_start`, the last accepted `ext_last`).
+    `host_slot` mirrors `slot` so the host picks the attention span without reading the device."""
 
     def __init__(self, engine: BatchedRows, drafter: Eagle3Drafter):
         self.engine, self.drafter = engine, drafter
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(engine.layers)))
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-        self.capacity = 0
+        self.capacity, self.k = 0, 0
 
-    def allocate(self, capacity: int) -> None:
-        rows, attention = self.engine.rows, self.drafter.midlayer.self_attn
+    def allocate(self, capacity: int, k: int) -> None:
+        rows, attention, device = self.engine.rows, self.drafter.midlayer.self_attn, self.device
         shape = (rows, attention.heads, capacity, attention.head_dim)  # project() repeats kv heads
-        self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.slots = torch.arange(capacity, device=self.device)
-        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
-        cos, sin = self.drafter.rotary(torch.zeros(1, device=self.device, dtype=self.dtype), self.slots[None])
+        self.keys = torch.zeros(shape, device=device, dtype=self.dtype)
+        self.values = torch.zeros(shape, device=device, dtype=self.dtype)
+        self.slots = torch.arange(capacity, device=device)
+        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        cos, sin = self.drafter.rotary(torch.zeros(1, device=device, dtype=self.dtype), self.slots[None])
         self.cos, self.sin = cos[0, 0].to(self.dtype), sin[0, 0].to(self.dtype)  # (capacity, hd), by position
-        self.capacity = capacity
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.ext_aux = torch.zeros(rows, k + 1, self.drafter.fc.in_features, device=device, dtype=self.engine.dtype)
+        self.ext_ids = torch.zeros(rows, k + 1, dtype=torch.long, device=device)
+        self.ext_start = torch.zeros(rows, dtype=torch.long, device=device)
+        self.ext_last = torch.zeros(rows, dtype=torch.long, device=device)
+        self.capacity, self.k, self.host_slot = capacity, k, 0
 
-    def _forward(self, hidden, ids, positions, first_slot: int, visible):
+    def state(self) -> list[torch.Tensor]:
+        """The buffers a round changes besides the cache (zeroed before a graph's capture)."""
+        return [self.valid, self.slot, self.ext_aux, self.ext_ids, self.ext_start, self.ext_last]
+
+    def _forward(self, hidden, ids, positions, written, visible):
         """The drafter layer's outputs (R, T, H) for hidden (R, T, H), the next tokens ids (R, T) at positions (R, T),
-        written at slots first_slot.. (shared by every row); visible (R, T, span) over the first `span` slots."""
+        written at cache slots `written` (T,) (shared by every row); visible (R, T, span) over the first `span` slots."""
         span = visible.shape[-1]
         rotary = (self.cos[positions][:, None], self.sin[positions][:, None])
         x, cos, sin = self.drafter.layer_inputs(hidden, ids, positions, rotary)
         attention = self.drafter.midlayer.self_attn
         q, k, v = attention.project(x, cos, sin)
-        written = self.slots[first_slot : first_slot + ids.shape[1]]
         self.keys.index_copy_(2, written, k)
         self.values.index_copy_(2, written, v)
         attended = attention.attend(q, [(self.keys[:, :, :span], self.values[:, :, :span], visible[:, None])])
         return self.drafter.layer_output(hidden, attended)
 
-    def _visible(self, first_slot: int, count: int, span: int):
-        """(R, count, span): each row's valid slots, and query i the new slots first_slot..first_slot + i."""
-        keys = self.slots[:span]
-        new = (keys[None] >= first_slot) & (keys[None] <= first_slot + torch.arange(count, device=self.device)[:, None])
-        return self.valid[:, None, :span] | new[None]
-
     def start(self, ids, pads, aux, first) -> None:
         """After the target's prefill of left-padded ids (R, W) with aux (R, W, 3H): the drafter's prefill over slots
-        0..W-2, and the first round's extend (the last prompt position with the first new token)."""
+        0..W-2, and the first round's extend (the last prompt position with the first new token; its other k rows are
+        padding, past ext_last, so that every round's extend has k + 1 rows)."""
         width = ids.shape[1]
         self.valid.zero_()
-        self.slot = width - 1
         if width > 1:
-            slots, keys = self.slots[: width - 1], self.slots[: width - 1]
+            slots = self.slots[: width - 1]
             query = slots[None, :, None]
             pad = pads[:, None, None]
-            visible = (keys[None, None] <= query) & ((keys[None, None] >= pad) | (query < pad))
+            visible = (slots[None, None] <= query) & ((slots[None, None] >= pad) | (query < pad))
             positions = (slots[None] - pads[:, None]).clamp(min=0)
-            self._forward(self.drafter.project_aux(aux[:, :-1].to(self.dtype)), ids[:, 1:], positions, 0, visible)
+            self._forward(self.drafter.project_aux(aux[:, :-1].to(self.dtype)), ids[:, 1:], positions, slots, visible)
             self.valid[:, : width - 1] = slots[None] >= pads[:, None]
-        self.ext_aux, self.ext_ids = aux[:, -1:], first[:, None]
-        self.ext_start = width - 1 - pads  # logical position of the last prompt token
-        self.ext_last = torch.zeros_like(pads)
+        self.ext_aux.zero_()
+        self.ext_aux[:, 0] = aux[:, -1]
+        self.ext_ids.copy_(first[:, None].expand_as(self.ext_ids))
+        self.ext_start.copy_(width - 1 - pads)  # logical position of the last prompt token
+        self.ext_last.zero_()
+        self.slot.fill_(width - 1)
+        self.host_slot = width - 1
 
-    def draft(self, k: int, sequences) -> torch.Tensor:
+    def span(self, k: int) -> int:
+        """The attention span of the next round: its extend writes k + 1 slots, its chain k - 1 more."""
+        return span_for(self.host_slot + 2 * k, self.capacity)
+
+    def advance(self, k: int) -> None:
+        self.host_slot += 2 * k
+
+    def draft(self, k: int, span: int) -> torch.Tensor:
         """(R, k) drafts: extend with the last round's accepted positions (padding rows past ext_last), then chain."""
-        count = self.ext_ids.shape[1]
+        count = k + 1
         offsets = torch.arange(count, device=self.device)
-        span = span_for(self.slot + 2 * k, self.capacity)
-        visible = self._visible(self.slot, count, span)
-        out = self._forward(self.drafter.project_aux(self.ext_aux.to(self.dtype)), self.ext_ids, self.ext_start[:, None] + offsets, self.slot, visible)
-        self.valid[:, self.slot : self.slot + count] = offsets[None] <= self.ext_last[:, None]
-        self.slot += count
+        written = self.slot + offsets
+        visible = self.valid[:, None, :span] | _new_slots(self.slots[:span], self.slot, count)[None]
+        out = self._forward(self.drafter.project_aux(self.ext_aux.to(self.dtype)), self.ext_ids, self.ext_start[:, None] + offsets, written, visible)
+        self.valid.index_copy_(1, written, offsets[None] <= self.ext_last[:, None])
         out = out.gather(1, self.ext_last[:, None, None].expand(-1, 1, out.shape[-1]))  # (R, 1, H): the last real row's
         last = self.ext_start + self.ext_last
         drafts = [self._token(out)]
-        chain = self.slot
+        chain = self.slot + count
         for j in range(1, k):  # each step sees the chain's earlier steps (slots chain..), not kept after the round
-            visible = self._visible(chain, j, span)[:, -1:]
-            out = self._forward(out, drafts[-1], (last + j)[:, None], chain + j - 1, visible)
+            visible = self.valid[:, None, :span] | _new_slots(self.slots[:span], chain, j)[None][:, -1:]
+            out = self._forward(out, drafts[-1], (last + j)[:, None], chain + (j - 1), visible)
             drafts.append(self._token(out))
-        self.slot += k - 1
+        self.slot.add_(2 * k)
         return torch.cat(drafts, dim=1)
 
     def _token(self, out):
@@ -127,30 +157,48 @@ class ChainDrafts:
 
     def accepted(self, aux, predicted, start, accepted) -> None:
         """The next round's extend: the verify's features of current..current+k, the token after each, from `start`."""
-        self.ext_aux, self.ext_ids, self.ext_start, self.ext_last = aux, predicted, start, accepted
+        self.ext_aux.copy_(aux)
+        self.ext_ids.copy_(predicted)
+        self.ext_start.copy_(start)
+        self.ext_last.copy_(accepted)
 
 
 class NgramDrafts:
-    """Prompt lookup per row over that row's own sequence (eyrie.decoding.ngram.lookup), on the host."""
+    """Prompt lookup per row over that row's own sequence (eyrie.decoding.ngram.lookup), on the host; the round reads
+    the drafts from a buffer."""
 
     aux_layers = ()
 
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.capacity = 0
+        self.capacity, self.k = 0, 0
 
-    def allocate(self, capacity: int) -> None:
-        self.capacity = capacity
+    def allocate(self, capacity: int, k: int, rows: int, device) -> None:
+        self.proposed = torch.zeros(rows, k, dtype=torch.long, device=device)
+        self.capacity, self.k = capacity, k
+
+    def state(self) -> list[torch.Tensor]:
+        return []
 
     def start(self, ids, pads, aux, first) -> None:
-        self.device = ids.device
+        pass
 
-    def draft(self, k: int, sequences) -> torch.Tensor:
+    def span(self, k: int) -> int:
+        return 0
+
+    def advance(self, k: int) -> None:
+        pass
+
+    def propose(self, k: int, sequences) -> None:
+        """Look up each row's drafts on the host and put them in the round's buffer."""
         rows = []
         for sequence in sequences:  # as NgramSession: the tokens after positions 0.. (the first token is never looked up)
             proposed = lookup(sequence[1:], k, self.max_ngram, self.min_ngram) if len(sequence) > 1 else None
             rows.append(proposed if proposed is not None else [sequence[-1]] * k)
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.proposed.copy_(torch.tensor(rows, dtype=torch.long))
+
+    def draft(self, k: int, span: int) -> torch.Tensor:
+        return self.proposed
 
     def accepted(self, aux, predicted, start, accepted) -> None:
         pass
@@ -158,42 +206,93 @@ class NgramDrafts:
 
 class BatchedSpeculative:
     """Speculative decoding of many prompts at once on `engine` (a BatchedRows: its cache, rows and forward), drafted by
-    an Eagle3Drafter (the chain) or, with drafter "ngram", by prompt lookup. Each row's tokens equal its greedy decode."""
+    an Eagle3Drafter (the chain) or, with drafter "ngram", by prompt lookup. Each row's tokens equal its greedy decode.
+    Reuse one for repeated decodes of a batch shape: its round graphs stay captured while the buffers do."""
 
     def __init__(self, engine: BatchedRows, drafter):
         self.engine = engine
-        self.drafts = NgramDrafts() if drafter == "ngram" else ChainDrafts(engine, drafter)
+        self.ngram = drafter == "ngram"
+        self.drafts = NgramDrafts() if self.ngram else ChainDrafts(engine, drafter)
         self.windowed = engine.windowed
+        self.rounds: dict[tuple[int, int], Replay] = {}  # by (target span, drafter span)
+        self.made_for = None  # the buffers the graphs point at
 
-    def _prepare(self, count: int, width: int, max_new_tokens: int, k: int) -> None:
+    @torch.inference_mode()
+    def prepare(self, count: int, width: int, max_new_tokens: int, k: int) -> None:
+        """Buffers for `count` prompts padded to `width`, and a round graph for each pair of spans the decode will
+        reach: call before timing a decode (generate calls it too, and finds it done)."""
         engine = self.engine
         target_slots, drafter_slots = needed_slots(width, max_new_tokens, k)
-        if count > engine.rows or target_slots > engine.capacity:
-            # BatchedRows' own allocation: its greedy graphs are rebuilt on the new buffers too
-            engine._allocate(max(count, engine.rows), max(target_slots, engine.capacity), max(max_new_tokens, engine.max_new))
-        if drafter_slots > self.drafts.capacity or getattr(self.drafts, "keys", None) is not None and self.drafts.keys.shape[0] != engine.rows:
-            self.drafts.allocate(max(drafter_slots, self.drafts.capacity))
-        device = engine.device
-        self.valid = torch.zeros(engine.rows, engine.capacity, dtype=torch.bool, device=device)  # slots each row keeps
-        self.key_positions = torch.zeros(engine.rows, engine.capacity, dtype=torch.long, device=device)  # for windows
+        engine.reserve(count, target_slots, max_new_tokens)
+        capacity = max(drafter_slots, self.drafts.capacity)
+        key = (id(engine.keys), engine.rows, engine.capacity, capacity, k)
+        if key != self.made_for:
+            device = engine.device
+            if self.ngram:
+                self.drafts.allocate(capacity, k, engine.rows, device)
+            else:
+                self.drafts.allocate(capacity, k)
+            self.valid = torch.zeros(engine.rows, engine.capacity, dtype=torch.bool, device=device)  # slots each row keeps
+            self.key_positions = torch.zeros(engine.rows, engine.capacity, dtype=torch.long, device=device)  # for windows
+            self.current = torch.zeros(engine.rows, 1, dtype=torch.long, device=device)  # each row's next input
+            self.position = torch.zeros(engine.rows, dtype=torch.long, device=device)  # its position
+            self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the target slot the next round writes first
+            self.read = torch.zeros(engine.rows, k + 2, dtype=torch.long, device=device)  # accepted count, then k + 1 tokens
+            self.rounds, self.made_for = {}, key
+        self._capture(self._spans(width, max_new_tokens, k), k)
 
-    def _run(self, ids, first_slot: int, positions, visible, aux_layers):
-        """(predicted (R, T), aux or None): the target over ids (R, T) written at slots first_slot.. at positions (R, T)."""
+    def _spans(self, width: int, max_new_tokens: int, k: int) -> list[tuple[int, int]]:
+        """The (target span, drafter span) of every round a decode may run (each may emit only its bonus token)."""
+        pairs, drafter_slot = [], width - 1
+        for r in range(max(max_new_tokens - 1, 1)):
+            drafter_span = 0 if self.ngram else span_for(drafter_slot + 2 * k, self.drafts.capacity)
+            pairs.append((span_for(width + r * (k + 1) + k + 1, self.engine.capacity), drafter_span))
+            drafter_slot += 2 * k
+        return list(dict.fromkeys(pairs))
+
+    def _capture(self, pairs, k: int) -> None:
+        """A Replay per new pair. Its warm-up runs write the round state and cache slots from slot 0 (far inside the
+        cache); generate's prefill then sets every piece of state afresh, and the slots written are rewritten by the
+        prefill and the rounds before any row reads them."""
+        state = [self.valid, self.key_positions, self.current, self.position, self.slot, self.read] + self.drafts.state()
+        for pair in pairs:
+            if pair not in self.rounds:
+                for t in state:
+                    t.zero_()
+                self.rounds[pair] = Replay(functools.partial(self._round, k, *pair), self.engine.use_graphs, self.engine.capture_failures)
+
+    def _run(self, ids, slots, positions, visible, aux_layers):
+        """(predicted (R, T), aux or None): the target over ids (R, T) written at cache slots `slots` (T,) at positions (R, T)."""
         engine = self.engine
         span = visible.shape[-1]
-        slots = engine.slots[first_slot : first_slot + ids.shape[1]]
-        self.key_positions[:, first_slot : first_slot + ids.shape[1]] = positions
+        self.key_positions.index_copy_(1, slots, positions)
         distance = positions[:, :, None] - self.key_positions[:, None, :span] if self.windowed else None
         x, aux = engine.run_layers(ids, slots, engine.rope_at(positions), engine.masks_for(visible, distance), span, aux_layers=aux_layers, normed=False)
         return engine.head(x), aux
 
+    def _round(self, k: int, span: int, drafter_span: int) -> None:
+        """One round on the buffers: draft, verify k + 1 tokens per row, accept, and the next round's inputs."""
+        drafts = self.drafts.draft(k, drafter_span)  # (R, k)
+        offsets = torch.arange(k + 1, device=self.slot.device)
+        slots = self.slot + offsets
+        visible = self.valid[:, None, :span] | _new_slots(self.engine.slots[:span], self.slot, k + 1)[None]
+        predicted, aux = self._run(torch.cat([self.current, drafts], dim=1), slots, self.position[:, None] + offsets, visible, self.drafts.aux_layers)
+        accepted = (drafts == predicted[:, :k]).long().cumprod(1).sum(1)  # (R,)
+        self.valid.index_copy_(1, slots, offsets[None] <= accepted[:, None])
+        self.drafts.accepted(aux, predicted, self.position, accepted)
+        self.current.copy_(predicted.gather(1, accepted[:, None]))
+        self.position.add_(accepted + 1)
+        self.slot.add_(k + 1)
+        self.read[:, 0] = accepted
+        self.read[:, 1:] = predicted
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids, draft_tokens: int) -> BatchedSpecResult:
         """Up to max_new_tokens tokens per prompt, k = draft_tokens drafts per row per round."""
-        start_time = time.perf_counter()
         engine, k, stop_ids = self.engine, draft_tokens, set(stop_ids)
         count, width = len(prompts), max(len(p) for p in prompts)
-        self._prepare(count, width, max_new_tokens, k)
+        self.prepare(count, width, max_new_tokens, k)
+        start_time = time.perf_counter()
         device, rows = engine.device, engine.rows
         dummies = rows - count  # one padding token each, finished from the start
         pad_id = engine.pad_id
@@ -201,41 +300,34 @@ class BatchedSpeculative:
         ids = torch.tensor(padded, device=device)
         pads = torch.tensor([width - len(p) for p in prompts] + [width - 1] * dummies, device=device)
 
-        # Prefill: left-padded as BatchedRows does; a padding query sees the padding before it (no empty softmax row).
+        # Prefill, eager: left-padded as BatchedRows does; a padding query sees the padding before it (no empty softmax row).
         slots = engine.slots[:width]
         span = span_for(width, engine.capacity)
         keys, query, pad = engine.slots[None, None, :span], slots[None, :, None], pads[:, None, None]
         visible = (keys <= query) & ((keys >= pad) | (query < pad))
         positions = (slots[None] - pads[:, None]).clamp(min=0)
-        predicted, aux = self._run(ids, 0, positions, visible, self.drafts.aux_layers)
+        self.valid.zero_()
+        predicted, aux = self._run(ids, slots, positions, visible, self.drafts.aux_layers)
         first = predicted[:, -1]
         self.valid[:, :width] = slots[None] >= pads[:, None]
         self.drafts.start(ids, pads, aux, first)
+        self.current.copy_(first[:, None])
+        self.position.copy_(width - pads)
+        self.slot.fill_(width)
 
-        current, position, slot = first[:, None], width - pads, width  # each row's next input, its position, the next slot
         tokens = [[t] for t in first[:count].tolist()]
         active = [not (row[-1] in stop_ids or max_new_tokens <= 1) for row in tokens]
         lengths: list[list[int]] = [[] for _ in range(count)]
-        offsets = torch.arange(k + 1, device=device)
-        rounds = 0
+        slot, rounds = width, 0  # the host's copy of self.slot: it picks the round's spans
         while any(active):
-            sequences = [list(prompts[r]) + tokens[r] if r < count else [pad_id] for r in range(rows)]
-            drafts = self.drafts.draft(k, sequences)  # (R, k)
-            verify = torch.cat([current, drafts], dim=1)
-            positions = position[:, None] + offsets
-            span = span_for(slot + k + 1, engine.capacity)
-            keys = engine.slots[:span]
-            new = (keys[None] >= slot) & (keys[None] <= slot + offsets[:, None])  # query i sees new slots slot..slot+i
-            predicted, aux = self._run(verify, slot, positions, self.valid[:, None, :span] | new[None], self.drafts.aux_layers)
-            accepted = (drafts == predicted[:, :k]).long().cumprod(1).sum(1)  # (R,)
-            self.valid[:, slot : slot + k + 1] = offsets[None] <= accepted[:, None]
-            self.drafts.accepted(aux, predicted, position, accepted)
-            current = predicted.gather(1, accepted[:, None])
-            position = position + accepted + 1
+            if self.ngram:
+                self.drafts.propose(k, [list(prompts[r]) + tokens[r] if r < count else [pad_id] for r in range(rows)])
+            pair = (span_for(slot + k + 1, engine.capacity), self.drafts.span(k))
+            self.rounds[pair]()
+            self.drafts.advance(k)
             slot += k + 1
             rounds += 1
-            read = torch.cat([accepted[:count, None], predicted[:count]], dim=1).tolist()  # the round's one host read
-            for r, (a, *row) in enumerate(read):
+            for r, (a, *row) in enumerate(self.read[:count].tolist()):  # the round's one host read
                 if not active[r]:
                     continue
                 emitted = emit(tokens[r], row[: a + 1], max_new_tokens, stop_ids)
