@@ -1,4 +1,4 @@
-"""Drafter training throughput and peak memory: the old path vs flex attention + chunked loss.
+"""Drafter training throughput and peak memory: the old path vs flex attention + chunked loss + fused weight gradients.
 
 Runs eyrie.training.objective.train_step (the code train_drafter runs each step) on random features at the
 Llama-3.1-8B drafter shape (H 4096, 32/8 heads, head_dim 128, intermediate 14336, draft vocab
@@ -12,15 +12,25 @@ process:
     +compiled     flex+chunked with train.compile: the layer's elementwise work (casts, RMSNorms,
                   rotary, residual adds, SiLU * up) fused by torch.compile (eyrie.training.compiled_layers)
     flex+fused-loss  flex+chunked with train.fused_loss: each loss chunk's elementwise work fused by
-                  torch.compile (eyrie.training.draft_loss.LossChunks); +compiled: with train.compile too
+                  torch.compile (eyrie.training.draft_loss.LossChunks); +compiled: with train.compile too;
+                  the weight gradients through plain autograd (train.fused_weight_grads: false)
+    flex+fused-loss+fused-wgrad  what train_drafter runs on CUDA by default: flex+fused-loss with
+                  train.fused_weight_grads (eyrie.training.weight_grads): each trained matrix cast once a
+                  step, each use's weight gradient added to the step's sum by its own product
+    ...+fused-wgrad-fp32  the same with train.fused_weight_grads: float32 (the layer's sums in float32)
 
 Each: tokens/s (median step time after warm-up; flex attention and train.compile compile in the
-first warm-up step, so no timed step includes compile time) and peak memory
-(torch.cuda.max_memory_allocated, reset between variants; model + optimizer + step), then ratios
-against SpecForge's offline trainer on one H200 (16-19K tok/s, 13 GiB with flex attention).
+first warm-up step, so no timed step includes compile time), peak memory
+(torch.cuda.max_memory_allocated, reset between variants; model + optimizer + step) and, on CUDA, the host
+syncs of one more step (torch.cuda.set_sync_debug_mode, by the line that made them), then ratios against
+SpecForge's trainer: measured in the same call with --specforge (its harness, run in a process of its own after
+eyrie's variants), else the figures recorded for it on one H200 (16-19K tok/s, 13 GiB with flex attention).
+One summary line per variant, SpecForge's too.
 
     python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
-    python benchmarks/train_throughput.py --small --out /tmp/tt.json             # CPU smoke test
+    python benchmarks/train_throughput.py --variants flex+fused-loss,flex+fused-loss+fused-wgrad --warmup 2 --steps 6 \
+        --specforge .device/specforge/run_specforge.py --out tt.json            # H200: today's path, the default, SpecForge
+    python benchmarks/train_throughput.py --small --variants flex+fused-loss,flex+fused-loss+fused-wgrad --out /tmp/tt.json  # CPU smoke test
     python benchmarks/train_throughput.py --shape pipeline --batch 32 --seq-len 512 \
         --variants flex+chunked,flex+fused-loss --profile flex+fused-loss --out tt_pipeline.json  # the pipeline's drafter (H 576)
 
@@ -43,6 +53,7 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import gc
 import json
@@ -53,11 +64,13 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
 
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
+from eyrie.training import weight_grads
 from eyrie.training.distributed import data_parallel, rank_share
 from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.optimizer import make_optimizer
@@ -86,6 +99,11 @@ VARIANTS = {
     # train.prompt_label_weight: the prompts' positions trained too (with --prompt-share, the pipeline's mix of prompt and reply)
     "flex+fused-loss+prompts": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
                                     compile=False, fused_loss=True, prompt_label_weight=1.0),
+    # train.fused_weight_grads (eyrie.training.weight_grads.settle's values): the CUDA default, and its float32 sums
+    "flex+fused-loss+fused-wgrad": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
+                                        compile=False, fused_loss=True, fused_weight_grads="compute"),
+    "flex+fused-loss+fused-wgrad-fp32": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
+                                             compile=False, fused_loss=True, fused_weight_grads="float32"),
 }
 
 
@@ -95,14 +113,16 @@ LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"} 
 
 def flops_per_token(dims: dict, ttt_steps: int, seq_len: int) -> float:
     """Matrix-product FLOPs one trained token costs (forward 2, backward 4 per multiply-add; the target head and the
-    frozen paths forward only): fc once, then per TTT step q/k/v over 2H inputs, o, the gated MLP, the draft head,
-    causal attention over half the row on average, and the target's distribution over the full vocabulary."""
+    frozen paths forward only): fc once, then per TTT step q/k/v over 2H inputs, o, the gated MLP, the draft head and
+    causal attention over half the row on average; and once, the target's distribution over the full vocabulary
+    (target_distribution computes it once per position, for every TTT step). The draft head's logits recomputed in
+    the chunked loss's backward are not counted."""
     H, I, h, kvh, hd = dims["hidden"], dims["intermediate"], dims["heads"], dims["kv_heads"], dims["head_dim"]
     trained = 3 * H * H  # fc
     per_step = 2 * H * (h + 2 * kvh) * hd + h * hd * H + 3 * H * I + H * dims["draft_vocab"]
     attention = 2 * h * hd * (seq_len / 2)  # QK^T and PV, per token, over the visible half on average
     target_head = H * dims["vocab"]
-    return 6 * (trained + ttt_steps * (per_step + attention)) + 2 * ttt_steps * target_head
+    return 6 * (trained + ttt_steps * (per_step + attention)) + 2 * target_head
 
 
 def drafter_shape(dims: dict) -> DrafterShape:
@@ -165,7 +185,7 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     optimizer = make_optimizer(model, 1e-4, 0.0, fused=variant["fused_adam"])
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
                              recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
-                             prompt_label_weight=variant.get("prompt_label_weight", 0.0))
+                             prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"))
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
@@ -183,12 +203,17 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def one_step(objective, optimizer, batch: dict, target_head, draft_ids, t2d, device) -> dict:
+    """train_step as train_drafter runs it (bf16 autocast on CUDA)."""
+    return train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d,
+                      max_grad_norm=0.5, use_bf16=torch.device(device).type == "cuda")
+
+
 def timed_step(objective, optimizer, batch: dict, target_head, draft_ids, t2d, device) -> tuple[dict, float]:
     """(train_step's result, its seconds), the device synchronised on both sides."""
     sync(device)
     t0 = time.perf_counter()
-    result = train_step(objective, optimizer, batch, target_lm_head=target_head, draft_ids=draft_ids, t2d=t2d,
-                        max_grad_norm=0.5, use_bf16=torch.device(device).type == "cuda")
+    result = one_step(objective, optimizer, batch, target_head, draft_ids, t2d, device)
     sync(device)
     return result, time.perf_counter() - t0
 
@@ -218,6 +243,11 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         print(f"  {name}: train.compile FELL BACK TO EAGER: {compiled.error}", flush=True)
     if objective.loss_chunks.error is not None:
         print(f"  {name}: train.fused_loss FELL BACK TO EAGER: {objective.loss_chunks.error}", flush=True)
+    if variant.get("fused_weight_grads") and weight_grads.fallback_reason is not None:  # the same sums, slower
+        print(f"  {name}: train.fused_weight_grads FELL BACK TO FLOAT32 COPIES: {weight_grads.fallback_reason}", flush=True)
+    syncs = host_syncs(functools.partial(one_step, objective, optimizer, batch, target_head, draft_ids, t2d, device)) if cuda else None
+    if syncs is not None:
+        print(f"  {name}: {sum(syncs.values())} host syncs in one step: {dict(syncs.most_common())}", flush=True)
     if cuda and name in args.profile.split(","):
         profile_steps(name, functools.partial(timed_step, objective, optimizer, batch, target_head, draft_ids, t2d, device))
     step_s = statistics.median(times)
@@ -231,12 +261,30 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         "dynamo_unique_graphs": _compiled_graphs(),  # cumulative; growing every step would mean flex recompiles
         "compile_fallback": None if compiled is None else compiled.error,  # set: train.compile ran eagerly
         "fused_loss_fallback": objective.loss_chunks.error,  # set: train.fused_loss ran eagerly
+        "fused_weight_grads_fallback": weight_grads.fallback_reason if variant.get("fused_weight_grads") else None,
+        "host_syncs": None if syncs is None else sum(syncs.values()),  # CUDA: in one step, by torch.cuda.set_sync_debug_mode
+        "host_sync_sites": None if syncs is None else dict(syncs),
     }
     del objective, optimizer, target_head, batch
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def host_syncs(step) -> collections.Counter:
+    """The CUDA host syncs one step makes (nonzero, .tolist(), .item(), copies to the host), counted by the source line
+    that made each: torch.cuda.set_sync_debug_mode's warnings. The device is synchronised before and after, outside."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
 def profile_steps(name: str, step, count: int = 2) -> None:
@@ -383,7 +431,9 @@ def main() -> int:
     parser.add_argument("--prompt-share", type=float, default=0.0,
                         help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.27)")
     parser.add_argument("--processes", type=int, default=1, help="N > 1: one process against N data-parallel ranks (see above)")
-    parser.add_argument("--timeout", type=int, default=360, help="--processes: seconds allowed to the torchrun launch")
+    parser.add_argument("--timeout", type=int, default=360, help="seconds allowed to the torchrun launch (--processes) or to --specforge")
+    parser.add_argument("--specforge", help="SpecForge's harness script (run_specforge.py, kept outside the repository) to run after "
+                        "eyrie's variants at the same shape, in its own process; its line joins the summary and the ratios use it")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -415,33 +465,63 @@ def main() -> int:
         gc.collect()  # outside the except: the traceback's frames (and their GPU tensors) are gone by now
         if device == "cuda":
             torch.cuda.empty_cache()
+    specforge = run_specforge(args) if args.specforge else None
     report = {"torch": torch.__version__, "device": device_name, "shape": dims, "seq_len": args.seq_len, "batch": args.batch,
-              "ttt_steps": args.ttt_steps, "specforge": {"tokens_per_second": SPECFORGE_TOKENS_PER_S, "peak_gib": SPECFORGE_PEAK_GIB}, "variants": results}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-
-    base = results.get("baseline", {})
+              "ttt_steps": args.ttt_steps, "variants": results,
+              "specforge": specforge or {"recorded": {"tokens_per_second": SPECFORGE_TOKENS_PER_S, "peak_gib": SPECFORGE_PEAK_GIB}}}
     flops = flops_per_token(dims, args.ttt_steps, args.seq_len)
     report["flops_per_token"] = flops
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
+
     print(f"\n{flops / 1e9:.2f} GFLOP per trained token (matrix products, forward and backward)")
     for name, r in results.items():
         if "tokens_per_second" in r:
             achieved = r["tokens_per_second"] * flops / 1e12
-            print(f"{name:<24} {achieved:>7.1f} TFLOP/s = {achieved / H200_BF16_DENSE_TFLOPS:.1%} of an H200's dense bf16 peak")
-    print(f"\n{'variant':<24} {'tok/s':>9} {'peak GiB':>9} {'x base':>7} {'x SF16K':>8} {'x SF19K':>8} {'GiB/13':>7}")
-    for name, r in results.items():
+            print(f"{name:<34} {achieved:>7.1f} TFLOP/s = {achieved / H200_BF16_DENSE_TFLOPS:.1%} of an H200's dense bf16 peak")
+    print()
+    summary_lines(results, specforge)
+    return 0 if all("error" not in r for r in results.values()) and (specforge is None or "error" not in specforge) else 1
+
+
+def run_specforge(args) -> dict:
+    """SpecForge's trainer on the same shape, in a process of its own (its harness: --specforge, a script that prints its
+    figures as its last JSON line; its folder goes on PYTHONPATH). Its figures, or {"error": ...}."""
+    script = Path(args.specforge).resolve()
+    command = [sys.executable, str(script), "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--ttt-steps", str(args.ttt_steps),
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)] + (["--cpu-smoke"] if args.small else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent), os.environ.get("PYTHONPATH")]))}
+    print(f"== specforge: {' '.join(command)}", flush=True)
+    try:
+        done = subprocess.run(command, env=env, timeout=args.timeout, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no figures within --timeout {args.timeout} s"}
+    sys.stdout.write(done.stdout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"exited {done.returncode}" + ("" if lines else " without a JSON line")}
+    return json.loads(lines[-1])
+
+
+def summary_lines(results: dict, specforge: dict | None) -> None:
+    """One line per variant (and SpecForge's): tok/s, ms a step, peak GiB, host syncs, and each against SpecForge's
+    trainer: measured in this call, else the figures recorded for it (16-19K tok/s, 13 GiB)."""
+    measured = specforge is not None and "tokens_per_second" in specforge
+    sf_tps = specforge["tokens_per_second"] if measured else SPECFORGE_TOKENS_PER_S[1]
+    sf_peak = (specforge.get("peak_gib") if measured else SPECFORGE_PEAK_GIB) or None
+    against = "measured here" if measured else f"recorded: {SPECFORGE_TOKENS_PER_S[1]:.0f} tok/s, {SPECFORGE_PEAK_GIB} GiB"
+    first = next((r["tokens_per_second"] for r in results.values() if "tokens_per_second" in r), None)
+    print(f"{'variant':<34} {'tok/s':>8} {'ms/step':>8} {'peak GiB':>9} {'syncs':>6} {'x 1st':>6} {'x SF':>6} {'GiB/SF':>7}   "
+          f"(1st = the first variant; SF = SpecForge, {against})")
+    rows = list(results.items()) + ([("specforge", specforge)] if specforge is not None else [])
+    for name, r in rows:
         if "error" in r:
-            print(f"{name:<24} FAILED: {r['error'][:120]}")
+            print(f"{name:<34} FAILED: {r['error'][:160]}")
             continue
-        tps, peak = r["tokens_per_second"], r["peak_gib"]
-        vs_base = f"{tps / base['tokens_per_second']:.2f}" if "tokens_per_second" in base else "-"
-        peak_s = f"{peak:.2f}" if peak is not None else "-"
-        mem = f"{peak / SPECFORGE_PEAK_GIB:.2f}" if peak is not None else "-"
-        print(f"{name:<24} {tps:>9.0f} {peak_s:>9} {vs_base:>7} {tps / SPECFORGE_TOKENS_PER_S[0]:>8.2f} {tps / SPECFORGE_TOKENS_PER_S[1]:>8.2f} {mem:>7}")
-    print(f"(SpecForge offline, 1 H200, flex: {SPECFORGE_TOKENS_PER_S[0]:.0f}-{SPECFORGE_TOKENS_PER_S[1]:.0f} tok/s, {SPECFORGE_PEAK_GIB} GiB; x > 1 = faster; GiB/13 < 1 = leaner)")
-    return 0 if all("error" not in r for r in results.values()) else 1
+        tps, peak, syncs = r["tokens_per_second"], r.get("peak_gib"), r.get("host_syncs")
+        print(f"{name:<34} {tps:>8.0f} {r['median_step_s'] * 1000:>8.1f} {'-' if peak is None else f'{peak:.2f}':>9} "
+              f"{'-' if syncs is None else syncs:>6} {tps / first:>6.2f} {tps / sf_tps:>6.2f} "
+              f"{'-' if peak is None or sf_peak is None else f'{peak / sf_peak:.2f}':>7}")
 
 
 if __name__ == "__main__":

@@ -317,6 +317,31 @@ def train_tiny(tmp_path, inputs, name="drafter", drafter=None, train=None, **kw)
     )
 
 
+def run_two_ranks(tmp_path, inputs, name, train):
+    """train_drafter in two gloo ranks under torchrun (out_dir tmp_path / name), as the train job launches it."""
+    import os
+
+    args = {
+        **inputs,
+        "out_dir": str(tmp_path / name),
+        "state_dir": str(tmp_path / f"{name}.state"),
+        "drafter_cfg": {"ttt_steps": 3},
+        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train},
+        "template_sha256": TRAIN_TEMPLATE,
+        "target_fingerprint": TRAIN_FINGERPRINT,
+        "progress": False,
+    }
+    (tmp_path / f"{name}.args.json").write_text(json.dumps(args))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.training.train",
+         str(tmp_path / f"{name}.args.json")],
+        capture_output=True, text=True, timeout=300, env=env,  # ~15 s alone; generous for a shared, loaded machine
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def without_seconds(evaluations):
     """Eval records less their wall time, the one figure that differs between runs."""
     if isinstance(evaluations, dict):

@@ -91,7 +91,7 @@ def test_the_shipped_sweeps_are_settings_sglang_accepts():
 
     sweeps = {path: check_sweep(cfg.load(path)["bench"]["sweep"]) for path in (REPO / "config.yaml", REPO / "configs" / "h200.yaml", TINY_CONFIG)}
     assert [label(s) for s in sweeps[REPO / "config.yaml"]] == ["tree 1-10-10", "tree 1-32-32"]
-    assert [label(s) for s in sweeps[REPO / "configs" / "h200.yaml"]] == ["tree 6-8-32", "tree 6-10-48", "tree 8-10-64"]
+    assert [label(s) for s in sweeps[REPO / "configs" / "h200.yaml"]] == ["tree 6-8-32", "tree 6-10-48", "tree 8-10-64", "chain 2"]
     assert [label(s) for s in sweeps[TINY_CONFIG]] == ["tree 2-2-4"]
 
 

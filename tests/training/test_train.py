@@ -12,6 +12,7 @@ from factories import (
     TRAIN_FINGERPRINT,
     TRAIN_TEMPLATE,
     random_samples,
+    run_two_ranks,
     tiny_setup,
     tiny_target_dir,
     train_step_once,
@@ -605,34 +606,6 @@ def test_objective_with_chunked_loss_equals_the_reference_loss():
 
 
 # --------------------------------------------------------------------------- data parallel
-
-
-def run_two_ranks(tmp_path, inputs, name, train):
-    """train_drafter in two gloo ranks under torchrun (out_dir tmp_path / name), as the train job launches it."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    args = {
-        **inputs,
-        "out_dir": str(tmp_path / name),
-        "state_dir": str(tmp_path / f"{name}.state"),
-        "drafter_cfg": {"ttt_steps": 3},
-        "train_cfg": {"dtype": "float32", "device": "cpu", "log_every": 1, **train},
-        "template_sha256": TEMPLATE,
-        "target_fingerprint": FINGERPRINT,
-        "progress": False,
-    }
-    (tmp_path / f"{name}.args.json").write_text(json.dumps(args))
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyrie.training.train",
-         str(tmp_path / f"{name}.args.json")],
-        capture_output=True, text=True, timeout=300, env=env,  # ~15 s alone; generous for a shared, loaded machine
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize("compile", [False, True])

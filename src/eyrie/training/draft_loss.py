@@ -100,9 +100,9 @@ def fuses_loss(setting, device) -> bool:
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks):
+    def forward(ctx, x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks, grad_sum):
         """(summed loss over the n rows, #rows whose logits' argmax == argmax). probs rows are probs[rows]."""
-        w = weight.to(compute_dtype)
+        w = weight.to(compute_dtype)  # weight itself when it is a step copy (train.fused_weight_grads)
         xc = x.to(compute_dtype)
         n = xc.shape[0]
         lse = torch.empty(n, dtype=_stat_dtype(compute_dtype), device=x.device)
@@ -113,29 +113,36 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             lse[a : a + chunk_rows] = lse_chunk
             loss += loss_chunk
             correct += correct_chunk
-        ctx.save_for_backward(xc, weight, probs, rows, lse)
-        ctx.compute_dtype, ctx.chunk_rows, ctx.x_dtype, ctx.chunks = compute_dtype, chunk_rows, x.dtype, chunks
+        # A step copy (grad_sum) is not kept for backward, which casts grad_sum.weight again: no copy held through backward.
+        ctx.save_for_backward(xc, weight if grad_sum is None else None, probs, rows, lse)
+        ctx.compute_dtype, ctx.chunk_rows, ctx.x_dtype, ctx.chunks, ctx.grad_sum = compute_dtype, chunk_rows, x.dtype, chunks, grad_sum
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         xc, weight, probs, rows, lse = ctx.saved_tensors
-        w = weight.to(ctx.compute_dtype)
+        grad_sum = ctx.grad_sum
+        w = (weight if grad_sum is None else grad_sum.weight).to(ctx.compute_dtype)
         grad_x = torch.empty_like(xc)
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # accumulated over chunks in fp32 (at least)
+        # Without a step's sum: accumulated over chunks in fp32 (at least) here, then by autograd over the TTT steps.
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if grad_sum is None else None
         step = ctx.chunk_rows
         for a in range(0, xc.shape[0], step):
             x_chunk = xc[a : a + step]
             grad_z = ctx.chunks.grad(x_chunk @ w.T, probs, rows[a : a + step], lse[a : a + step], grad_loss, ctx.compute_dtype)  # (c, Vd)
             grad_x[a : a + step] = grad_z @ w
-            grad_w += grad_z.T @ x_chunk
+            if grad_sum is None:
+                grad_w += grad_z.T @ x_chunk
+            else:  # one float32 product into the head's sum over the step (eyrie.training.weight_grads)
+                grad_sum.add(grad_z, x_chunk)
         grad_x = grad_x.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None, None, None, None
+        grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] and grad_w is not None else None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=None, chunk_rows=None, chunks: LossChunks = EAGER):
+def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=None, chunk_rows=None, chunks: LossChunks = EAGER,
+                               grad_sum=None):
     """(loss summed over rows, correct count) of logits x @ weight.T against probs[rows].
 
     x [n, H] (the normed drafter output at trained positions), weight [Vd, H], probs [N, Vd]
@@ -143,10 +150,12 @@ def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=Non
     argmax: accuracy). The logits are computed in compute_dtype (default x's dtype; the
     autocast dtype under autocast), chunk_rows rows at a time, softmax statistics in float32.
     Gradients flow to x and weight only. chunks: the per-chunk elementwise work, eager or fused (LossChunks).
+    grad_sum: weight is the step's copy of the head (used in forward only; backward casts grad_sum.weight again) and its
+    gradient goes into this sum, one product per chunk, not through autograd (a weight_grads.GradSum; train.fused_weight_grads).
     """
     if compute_dtype is None:
         device_type = x.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     chunk_rows = chunk_rows or chunk_rows_for(weight.shape[0])
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return _ChunkedSoftCrossEntropy.apply(x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks)
+        return _ChunkedSoftCrossEntropy.apply(x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks, grad_sum)

@@ -23,11 +23,14 @@ total = sum_j decay^j * loss_j.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.training.copyable import COPY_MIN_RUN, copyable_positions
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
+from eyrie.training.weight_grads import StepWeights, step_weights
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -127,14 +130,18 @@ def pick_positions(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 
 
 def positions_of(masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat indices (b * L + t) of each bool mask's True positions, all found with two host syncs.
+    """Flat indices (b * L + t) of each bool mask's True positions, all found with one host sync.
 
     Indexing with a bool mask syncs with the GPU each time (its result's size is data-dependent):
-    with 7 TTT steps and three uses per step that was about 40 stalls per training step.
+    with 7 TTT steps and three uses per step that was about 40 stalls per training step. Here the masks
+    (S x B x L bools) are read to the host once, the indices found there and sent back without a wait.
     """
     stacked = torch.stack(masks).flatten(1)  # (S, B*L)
-    counts = stacked.sum(1).tolist()
-    flat = stacked.flatten().nonzero().squeeze(1) % stacked.shape[1]  # step-major, so split by counts
+    host = stacked.cpu()  # the one sync
+    counts = host.sum(1).tolist()
+    flat = host.flatten().nonzero().squeeze(1) % host.shape[1]  # step-major, so split by counts
+    if stacked.is_cuda:  # from pinned memory, so the copy does not wait either
+        flat = flat.pin_memory().to(stacked.device, non_blocking=True)
     return list(flat.split(counts))
 
 
@@ -272,15 +279,21 @@ def ttt_loss(logits_per_step, targets, target_probs, decay: float):
     return total, stats
 
 
-def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, target_probs, chunked: bool = True, chunks=None):
+def step_loss_sum(model: Eagle3Drafter, out: torch.Tensor, valid, row, arg, target_probs, chunked: bool = True, chunks=None,
+                  weights: StepWeights | None = None):
     """(soft cross-entropy summed over step j's trained positions, #argmax hits); out = ttt_hidden's [n_j, H].
 
     chunked: eyrie.training.draft_loss (never keeps [n_j, Vd] logits for backward), its per-chunk work as
     chunks (a draft_loss.LossChunks; None: eager); otherwise the plain formula of ttt_loss (the reference).
+    weights: the step's StepWeights (train.fused_weight_grads): the chunked loss reads the head's step copy in forward and
+    sums its gradient in float32 there.
     """
     rows, args = pick_positions(row, valid), pick_positions(arg, valid)  # valid: bool [B, L] or flat indices
     if chunked:
-        return chunked_soft_cross_entropy(model.head_input(out), model.lm_head.weight, target_probs, rows, args, chunks=chunks or EAGER)
+        head, grad_sum = model.lm_head.weight, None
+        if weights is not None:  # the head's copy serves forward only; its sum is float32 (eyrie.training.weight_grads)
+            head, grad_sum = weights.weight(head, forward_only=True, float32_sum=True)
+        return chunked_soft_cross_entropy(model.head_input(out), head, target_probs, rows, args, chunks=chunks or EAGER, grad_sum=grad_sum)
     logits = model.head(out)
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(target_probs[rows] * logp).sum(), (logits.argmax(-1) == args).sum()
@@ -293,13 +306,20 @@ class TTTObjective(torch.nn.Module):
     (eyrie.training.compiled_layers); self.compiled.error says why it fell back to eager, if it did.
     fused_loss (train.fused_loss): the chunked loss's elementwise work runs through torch.compile
     (eyrie.training.draft_loss.LossChunks); self.loss_chunks.error says why it fell back, if it did.
+    fused_weight_grads (train.fused_weight_grads settled, eyrie.training.weight_grads.settle): None, or "compute" or
+    "float32": train_step runs each step through eyrie.training.weight_grads (the trained matrices cast once a step,
+    their uses' gradients summed by the products; the layer's sums in the compute dtype or in float32).
     """
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
                  recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False,
-                 copy_weight: float = 1.0, prompt_label_weight: float = 0.0):
+                 copy_weight: float = 1.0, prompt_label_weight: float = 0.0, fused_weight_grads: str | None = None):
         super().__init__()
         self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
+        if fused_weight_grads not in (None, "compute", "float32"):
+            raise ValueError(f"fused_weight_grads is {fused_weight_grads!r}; expected None, 'compute' or 'float32' (weight_grads.settle)")
+        self.fused_weight_grads = fused_weight_grads
+        self.step_weights: StepWeights | None = None  # set while train_step runs a step with fused_weight_grads
         self.drafter = drafter
         self.steps, self.decay = steps, decay
         self.hard_label_weight = hard_label_weight  # train_step's labels: eyrie.training.objective.mix_hard_labels
@@ -325,11 +345,26 @@ class TTTObjective(torch.nn.Module):
                           attention=self.attention, recompute_mlp=self.recompute_mlp, compiled=self.compiled)
         loss, stats = 0.0, []
         for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
-            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss, self.loss_chunks)
+            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss, self.loss_chunks, self.step_weights)
             loss = loss + (self.decay**j) * loss_sum / counts[j].clamp(min=1).to(loss_sum.dtype)
             count = torch.full((), float(out.shape[0]), dtype=torch.float64, device=out.device)  # a fill, not a host copy
             stats.append(torch.stack([loss_sum.detach().double(), correct.double(), count]))
+        if self.step_weights is not None:
+            self.step_weights.end_forward()
         return loss * weight, torch.stack(stats)
+
+    @contextlib.contextmanager
+    def weights_for_step(self, compute_dtype: torch.dtype):
+        """One step's forward and backward: with fused_weight_grads through a StepWeights in compute_dtype, else as they are."""
+        if self.fused_weight_grads is None:
+            yield
+            return
+        with step_weights(self.drafter, compute_dtype, float32_sums=self.fused_weight_grads == "float32") as weights:
+            self.step_weights = weights
+            try:
+                yield
+            finally:
+                self.step_weights = None
 
 
 def weight_copyable_labels(probs: torch.Tensor, row: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int,
@@ -400,10 +435,11 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     # Each step's trained positions as flat indices, found once: bool-mask indexing would stall on every use.
     targets = [(index, row, arg) for index, (_, row, arg) in zip(positions_of([t[0] for t in targets]), targets)]
     device_type = batch["aux"].device.type
-    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
-        loss, stats = objective(batch["aux"], batch["input_ids"], lengths, targets, target_probs, counts, weight)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    with inner.weights_for_step(torch.bfloat16 if use_bf16 else torch.float32):  # train.fused_weight_grads, through backward
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
+            loss, stats = objective(batch["aux"], batch["input_ids"], lengths, targets, target_probs, counts, weight)
+        optimizer.zero_grad(set_to_none=True)  # every .grad None: backward's sums become the gradients without a copy
+        loss.backward()
     params = [p for p in inner.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # a device tensor: no sync (error_if_nonfinite would add one)
     optimizer.step()

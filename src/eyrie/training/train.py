@@ -40,6 +40,7 @@ from eyrie.core.schema import with_defaults
 from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.target.head import TargetHeadError, load_target_head
+from eyrie.training import weight_grads
 from eyrie.training.acceptance import acceptance_line, simulate_acceptance
 from eyrie.training.distributed import DistributedContext, data_parallel, distributed_context, rank_share
 from eyrie.training.draft_loss import fuses_loss
@@ -72,6 +73,7 @@ class _Run:
     weight_dtype: torch.dtype  # of the written checkpoint
     attention: str  # "eager" or "flex" (eyrie.training.ttt_attention)
     fused_loss: bool  # train.fused_loss settled: the loss's elementwise work through torch.compile (eyrie.training.draft_loss)
+    fused_weight_grads: str | None  # train.fused_weight_grads settled: None, "compute" or "float32" (eyrie.training.weight_grads)
     ttt_steps: int
     steps_per_epoch: int
     total_steps: int
@@ -207,6 +209,7 @@ def _settle_run(inputs: TrainingInputs, drafter_cfg: dict, train_cfg: dict, temp
         weight_dtype=torch.float32 if dtype == "float32" else torch.bfloat16,
         attention=attention,
         fused_loss=fuses_loss(train_cfg["fused_loss"], ranks.device),
+        fused_weight_grads=weight_grads.settle(train_cfg["fused_weight_grads"], ranks.device),
         ttt_steps=int(drafter_cfg["ttt_steps"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=max(1, math.ceil(float(train_cfg["epochs"]) * steps_per_epoch)),
@@ -234,7 +237,8 @@ def _build_trainer(run: _Run, target_dir: str) -> _Trainer:
     objective = TTTObjective(model, run.ttt_steps, float(run.drafter_cfg["step_weight_decay"]), attention=run.attention,
                              recompute_mlp=bool(cfg["recompute_mlp"]), compile=bool(cfg["compile"]),
                              hard_label_weight=float(cfg["hard_label_weight"]), fused_loss=run.fused_loss,
-                             copy_weight=float(cfg["copy_weight"]), prompt_label_weight=float(cfg["prompt_label_weight"]))
+                             copy_weight=float(cfg["copy_weight"]), prompt_label_weight=float(cfg["prompt_label_weight"]),
+                             fused_weight_grads=run.fused_weight_grads)
     return _Trainer(model, optimizer, objective, objective.compiled, objective.loss_chunks, target_lm_head, draft_ids.to(device),
                     inputs.t2d.to(device))
 
@@ -258,6 +262,8 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         f"{', bf16 autocast' if run.use_bf16 else ', fp32'}, {run.attention} attention"
         + (", layer elementwise work compiled (train.compile)" if trainer.compiled is not None else "")
         + (", loss elementwise work fused (train.fused_loss)" if trainer.loss_chunks.fused else "")
+        + ({"compute": ", weight gradients summed by the products (train.fused_weight_grads)",
+            "float32": ", weight gradients summed in float32 by the products (train.fused_weight_grads: float32)"}.get(run.fused_weight_grads, ""))
         + (f", {run.ranks.world} ranks" if run.ranks.world > 1 else "")
         + f"; {cfg['lr_schedule']} learning rate, {'keeping the best epoch' if cfg['keep_best'] else 'keeping the last epoch'}"
         + (f", aux noise U(-{cfg['hidden_noise']:g}, {cfg['hidden_noise']:g})" if float(cfg["hidden_noise"]) > 0 else "")
@@ -452,6 +458,8 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         summary["compile"] = {"compiled": trainer.compiled.active, "fallback": compile_fallback}
     if trainer.loss_chunks.fused:
         summary["fused_loss"] = {"fused": trainer.loss_chunks.active, "fallback": trainer.loss_chunks.error}
+    if run.fused_weight_grads is not None:  # fallback: float32 sums through float32 copies (the same sums, slower)
+        summary["fused_weight_grads"] = {"sums": run.fused_weight_grads, "fallback": weight_grads.fallback_reason}
     if run.ranks.rank != 0:
         return summary
     tensors = checkpoint_tensors(trainer.model, run.weight_dtype)
@@ -463,7 +471,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "drafter": run.drafter_cfg,
         "train": run.train_cfg,
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
-        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile", "fused_loss") if k in summary}},
+        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile", "fused_loss", "fused_weight_grads") if k in summary}},
         SIMULATED_ACCEPTANCE: check_simulated_acceptance(acceptance, Path(out_dir) / "config.json"),
         "kept": kept,
     }
