@@ -26,6 +26,16 @@ so there agreement up to the first divergence is printed instead). With --drafte
 decoders also run speculative rounds with a random drafter and print ms per round; --trees S,K,N ... times
 SGLang-style tree rounds the same way (eyrie.decoding.static_tree).
 
+--batches B ...: in place of the above, batched greedy, the chain (the random drafter at --drafter-k) and prompt lookup
+decoding B prompts at once on the batched static engine (eyrie.decoding.batched_speculative, CUDA graphs per batch
+width on a GPU): ms a greedy step, ms a round and the round in greedy steps (the acceptance a setting needs to break
+even at that load), and whether the graphed rounds give the eager rounds' tokens.
+
+    python benchmarks/decode_floor.py --dtypes bfloat16 --batches 1 4 16 64 --tokens 128 --drafter-k 4 --repeats 2
+
+--compile-mode MODE: torch.compile's mode for the floor and the static decoder's pieces (default: inductor's default,
+as bench.compile), e.g. max-autotune-no-cudagraphs; each row gives its build time (compiling and capturing).
+
 --profile-round: where a round's time goes, piece by piece, instead of the timings above. A greedy step, a chain round
 (--drafter-k) and tree rounds (--trees) run under torch.profiler on the static decoder, compiled as `bench.compile`
 fuses it (--no-compile: eager), but with CUDA graphs off so that each kernel shows up on its own: every step runs

@@ -90,7 +90,8 @@ def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tok
     from eyrie.decoding.batched_greedy import open_batched_greedy
 
     model32, drafter32 = copy.deepcopy(model).float(), copy.deepcopy(drafter).float()
-    engine = open_batched_greedy(model32, pad_id, stop_ids, rows=len(prompts), cuda_graphs=False)
+    # Graphed on a GPU as the timed decodes are: eagerly, launch-bound float32 rounds made this check most of the block.
+    engine = open_batched_greedy(model32, pad_id, stop_ids, rows=len(prompts))
     greedy, _ = _greedy(engine, prompts, max_new_tokens, stop_ids)
     decoders = decoders_for(engine, drafter32, settings, prompts, max_new_tokens)
     return [sum(a == b for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["draft_tokens"]).tokens, greedy))
@@ -178,11 +179,16 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
     block["settings"] = [s["label"] for s in settings]
     for batch in batches:
         prompts = batch_prompts(encoded, batch)
+        started = time.perf_counter()
         greedy, rows = measure_batch(engine, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids)
+        measured = time.perf_counter()
         if model.dtype == torch.float32:
             identical = [r["identical_rows"] for r in rows]
         else:
             identical = float32_identical(model, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids, engine.pad_id)
+        print(f"concurrency B = {batch}: greedy {greedy['tokens_per_s']:.0f} tok/s; "
+              + ", ".join(f"{r['label']} {r['speedup']:.2f}x" for r in rows)
+              + f"; measured in {measured - started:.1f} s, float32 check {time.perf_counter() - measured:.1f} s", flush=True)
         for row, same in zip(rows, identical):
             row["lossless"] = same == batch
             row["float32_identical_rows"] = same
