@@ -26,12 +26,12 @@ so there agreement up to the first divergence is printed instead). With --drafte
 decoders also run speculative rounds with a random drafter and print ms per round; --trees S,K,N ... times
 SGLang-style tree rounds the same way (eyrie.decoding.static_tree).
 
---batches B ...: in place of the above, batched greedy, the chain (the random drafter at --drafter-k) and prompt lookup
-decoding B prompts at once on the batched static engine (eyrie.decoding.batched_speculative, CUDA graphs per batch
+--batches B ...: in place of the above, batched greedy, the chain (the random drafter at --drafter-k), each --trees
+shape and prompt lookup decoding B prompts at once on the batched static engine (eyrie.decoding.batched_speculative, CUDA graphs per batch
 width on a GPU): ms a greedy step, ms a round and the round in greedy steps (the acceptance a setting needs to break
 even at that load), and whether the graphed rounds give the eager rounds' tokens.
 
-    python benchmarks/decode_floor.py --dtypes bfloat16 --batches 1 4 16 64 --tokens 128 --drafter-k 4 --repeats 2
+    python benchmarks/decode_floor.py --dtypes bfloat16 --batches 1 4 16 64 --tokens 128 --drafter-k 4 --trees 6,10,48 --repeats 2
 
 --compile-mode MODE: torch.compile's mode for the floor and the static decoder's pieces (default: inductor's default,
 as bench.compile), e.g. max-autotune-no-cudagraphs; each row gives its build time (compiling and capturing).
@@ -211,17 +211,18 @@ def run(dtype_name: str, args) -> list[dict]:
 
 
 def run_batches(dtype_name: str, args) -> list[dict]:
-    """--batches: batched greedy, the chain (a random drafter at --drafter-k) and prompt lookup at each B on the batched
-    static engine, CUDA graphs per batch width on a GPU: ms per greedy step, ms per round and the round in greedy steps
-    (the acceptance a setting needs to break even), and whether the graphed rounds give the eager rounds' tokens."""
-    from eyrie.bench.concurrency import decoders_for
+    """--batches: batched greedy, the chain (a random drafter at --drafter-k), each --trees shape and prompt lookup at
+    each B on the batched static engine, CUDA graphs per batch width on a GPU: ms per greedy step, ms per round and the
+    round in greedy steps (the acceptance a setting needs to break even), and whether the graphed rounds give the eager
+    rounds' tokens."""
+    from eyrie.bench.concurrency import decoders_for, settings_of
     from eyrie.decoding.batched_greedy import open_batched_greedy
+    from eyrie.decoding.tree import TreeShape
 
     model, prompt = random_target(dtype_name, args)
     drafter = random_drafter(model, args.draft_vocab)
     graphs = model.device.type == "cuda"
-    k = max(args.drafter_k, 1)
-    settings = [{"label": f"chain {k}", "kind": "chain", "draft_tokens": k}, {"label": f"n-gram {k}", "kind": "ngram", "draft_tokens": k}]
+    settings = settings_of(max(args.drafter_k, 1), [TreeShape(*t) for t in args.trees], ngram=True)
     rows = []
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
@@ -239,19 +240,21 @@ def run_batches(dtype_name: str, args) -> list[dict]:
             sync()
             times.append(time.perf_counter() - start)
         step_ms = 1000 * statistics.median(times) / args.tokens
-        row = {"dtype": dtype_name, "batch": batch, "rows": engine.rows, "greedy_ms_per_step": step_ms, "capture_failures": engine.capture_failures}
+        row = {"dtype": dtype_name, "batch": batch, "rows": engine.rows, "greedy_ms_per_step": step_ms, "capture_failures": engine.capture_failures,
+               "settings": {}}
         eager = open_batched_greedy(model, 0, set(), rows=batch, cuda_graphs=False)
         for setting, decoder in zip(settings, decoders):
-            decoder.generate(prompts, 8, set(), k)
-            runs = [decoder.generate(prompts, args.tokens, set(), k) for _ in range(args.repeats)]
+            decoder.generate(prompts, 8, set(), setting["steps"])
+            runs = [decoder.generate(prompts, args.tokens, set(), setting["steps"]) for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r.seconds)
-            reference = decoders_for(eager, drafter, [setting], prompts, args.tokens)[0].generate(prompts, args.tokens, set(), k)
-            row[setting["kind"]] = {"ms_per_round": 1000 * best.seconds / best.rounds, "round_in_greedy_steps": best.seconds / best.rounds * 1000 / step_ms,
-                                    "graphs_match_eager": best.tokens == reference.tokens}
+            reference = decoders_for(eager, drafter, [setting], prompts, args.tokens)[0].generate(prompts, args.tokens, set(), setting["steps"])
+            row["settings"][setting["label"]] = {"ms_per_round": 1000 * best.seconds / best.rounds,
+                                                 "round_in_greedy_steps": best.seconds / best.rounds * 1000 / step_ms,
+                                                 "graphs_match_eager": best.tokens == reference.tokens}
         rows.append(row)
-        print(f"{dtype_name:9} B {batch:3}  greedy {step_ms:7.3f} ms/step   chain {k}: {row['chain']['ms_per_round']:7.3f} ms/round = "
-              f"{row['chain']['round_in_greedy_steps']:5.2f} steps (graphs = eager: {row['chain']['graphs_match_eager']})   n-gram: "
-              f"{row['ngram']['ms_per_round']:7.3f} ms = {row['ngram']['round_in_greedy_steps']:5.2f} steps ({row['ngram']['graphs_match_eager']})"
+        print(f"{dtype_name:9} B {batch:3}  greedy {step_ms:7.3f} ms/step;  " + ";  ".join(
+              f"{label} {r['ms_per_round']:.3f} ms/round = {r['round_in_greedy_steps']:.2f} steps{'' if r['graphs_match_eager'] else ' (GRAPHS DIFFER FROM EAGER)'}"
+              for label, r in row["settings"].items())
               + (f"  CAPTURE FAILED: {engine.capture_failures[:1]}" if engine.capture_failures else ""), flush=True)
     return rows
 

@@ -32,8 +32,7 @@ def test_the_block_measures_each_batch_and_recommends(tmp_path):
     engine = open_batched_greedy(model, 0, set(), cuda_graphs=False)
     block = concurrency_block(model, engine, drafter, encoded, cfg, set(), sweep=[TreeShape(2, 1, 3), TreeShape(2, 2, 4)])
     assert block["batches"] == [1, 4] and block["off_reason"] is None
-    assert block["settings"] == ["chain 3", "chain 2", "n-gram 3"]  # the sweep's tree stays at batch 1
-    assert "no trees above batch 1" in block["trees"]
+    assert block["settings"] == ["chain 3", "chain 2", "tree 2-2-4", "n-gram 3"]  # the sweep's chain and tree batched too
     for entry, batch in zip(block["per_batch"], [1, 4]):
         assert entry["batch"] == batch and entry["distinct_prompts"] == min(batch, 3)
         assert entry["greedy"]["new_tokens"] == 12 * batch
@@ -42,10 +41,12 @@ def test_the_block_measures_each_batch_and_recommends(tmp_path):
             assert row["lossless"] and row["identical_rows"] == batch  # float32: each row is its greedy
             assert row["speedup"] == pytest.approx(row["tokens_per_s"] / entry["greedy"]["tokens_per_s"])
             assert row["per_request_tokens_per_s"] == pytest.approx(row["tokens_per_s"] / batch)
-            assert 1.0 <= row["mean_acceptance_length"] <= row["draft_tokens"] + 1
+            assert 1.0 <= row["mean_acceptance_length"] <= row["steps"] + 1
         best = recommend(entry["settings"])
         assert entry["recommendation"] == (NO_SPECULATION if best is None else best["label"])
         assert (entry["sglang_flags"] == "") == (best is None)
+        chain = recommend([r for r in entry["settings"] if r["kind"] == "chain"])
+        assert (entry["chain"] or {}).get("label") == (chain or {}).get("label")  # the schedules' chain at this load
     json.dumps(block)  # the JSON holds it as is
 
 
@@ -66,8 +67,8 @@ def test_the_recommendation_rule():
 
 
 def test_vllm_schedule_is_read_by_vllms_own_code():
-    per_batch = [{"batch": 1, "recommended": {"kind": "chain", "draft_tokens": 4}}, {"batch": 4, "recommended": {"kind": "chain", "draft_tokens": 2}},
-                 {"batch": 16, "recommended": {"kind": "ngram", "draft_tokens": 4}}, {"batch": 64, "recommended": None}]
+    per_batch = [{"batch": 1, "chain": {"kind": "chain", "draft_tokens": 4}}, {"batch": 4, "chain": {"kind": "chain", "draft_tokens": 2}},
+                 {"batch": 16, "chain": None}, {"batch": 64, "chain": None}]
     schedule = vllm_schedule(per_batch)
     assert schedule == [[1, 3, 4], [4, 15, 2], [16, 63, 0], [64, 64, 0]]
     source = vllm_file("v1/spec_decode/dynamic/utils.py")
@@ -79,7 +80,7 @@ def test_vllm_schedule_is_read_by_vllms_own_code():
     config = json.loads(flags[flags.index("--speculative-config") + 1])
     assert set(config) <= set(class_fields(vllm_file("config/speculative.py"), "SpeculativeConfig"))
     assert config["num_speculative_tokens"] == 4
-    assert vllm_schedule([{"batch": 1, "recommended": None}]) is None  # no chain anywhere: serve without speculation
+    assert vllm_schedule([{"batch": 1, "chain": None}]) is None  # no chain anywhere: serve without speculation
 
 
 def test_sglang_adaptive_tiers_are_read_by_sglangs_own_code(tmp_path, sglang_parser):
@@ -91,8 +92,8 @@ def test_sglang_adaptive_tiers_are_read_by_sglangs_own_code(tmp_path, sglang_par
     from eyrie.target.serving import launch_command
 
     parser, _ = sglang_parser
-    per_batch = [{"batch": 2, "recommended": {"kind": "chain", "draft_tokens": 4}}, {"batch": 8, "recommended": {"kind": "chain", "draft_tokens": 2}},
-                 {"batch": 32, "recommended": {"kind": "ngram", "draft_tokens": 4}}, {"batch": 64, "recommended": None}]
+    per_batch = [{"batch": 2, "chain": {"kind": "chain", "draft_tokens": 4}}, {"batch": 8, "chain": {"kind": "chain", "draft_tokens": 2}},
+                 {"batch": 32, "chain": None}, {"batch": 64, "chain": None}]
     adaptive = sglang_adaptive_config(per_batch)
     assert adaptive == {"1": {"candidate_steps": [4]}, "8": {"candidate_steps": [2]}, "32": {"candidate_steps": [0]}, "64": {"candidate_steps": [0]}}
     path = tmp_path / ADAPTIVE_CONFIG_FILE
@@ -115,5 +116,5 @@ def test_sglang_adaptive_tiers_are_read_by_sglangs_own_code(tmp_path, sglang_par
         router.on_verify_complete([0] * 8, 8)
         router.on_verify_complete([4], 1)
     assert (router.get_steps_for_batch(8), router.get_steps_for_batch(1)) == (2, 4)
-    assert sglang_adaptive_config([{"batch": 1, "recommended": {"kind": "ngram", "draft_tokens": 4}}]) is None  # no chain anywhere
+    assert sglang_adaptive_config([{"batch": 1, "chain": None}]) is None  # no chain anywhere
     assert sglang_adaptive_flags(None) is None

@@ -83,13 +83,14 @@ def test_decode_floor_times_the_floor_and_the_static_decoder(tmp_path, monkeypat
 def test_decode_floor_batches_time_each_load_and_match_eager(tmp_path, monkeypatch):
     out = tmp_path / "batches.json"
     run_here("decode_floor.py", "--small", "--tokens", 8, "--dtypes", "float32", "--repeats", 1, "--drafter-k", 2, "--draft-vocab", 64,
-             "--batches", 1, 3, "--compile-mode", "default", "--out", out, monkeypatch=monkeypatch)
+             "--batches", 1, 3, "--trees", "2,2,4", "--compile-mode", "default", "--out", out, monkeypatch=monkeypatch)
     rows = json.loads(out.read_text())["batches"]
     assert [(r["batch"], r["rows"]) for r in rows] == [(1, 8), (3, 8)]  # rows are allocated in multiples of 8
     for row in rows:
         assert positive(row["greedy_ms_per_step"])
-        for kind in ("chain", "ngram"):
-            assert positive(row[kind]["ms_per_round"]) and row[kind]["graphs_match_eager"]
+        assert list(row["settings"]) == ["chain 2", "tree 2-2-4", "n-gram 2"]
+        for setting in row["settings"].values():
+            assert positive(setting["ms_per_round"]) and setting["graphs_match_eager"]
 
 
 def test_decode_floor_profile_round_names_where_each_round_goes(tmp_path, monkeypatch):

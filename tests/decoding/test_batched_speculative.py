@@ -91,6 +91,27 @@ def test_a_finished_row_stops(setup):
 
 
 def test_cache_slots_cover_the_worst_case():
-    target, drafter = needed_slots(13, 20, 4)
+    target, drafter = needed_slots(13, 20, 5, 8)  # a chain of 4: 5 verified rows, 8 drafter slots a round
     assert target >= 13 + 19 * 5 + 1 and target % 64 == 0
     assert drafter >= 13 + 19 * 8 + 8
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 6), (2, 3, 5), (3, 1, 4)])
+def test_trees_give_each_rows_greedy_and_match_batch_1_acceptance(setup, shape):
+    """Batched trees: every row's tokens are its greedy decode; with one row, each round accepts what the batch-1 tree
+    round (eyrie.decoding.static_tree) accepts on the same drafter."""
+    from eyrie.decoding.batched_tree import TreeDrafts
+    from eyrie.decoding.static_tree import tree_decode
+    from eyrie.decoding.tree import TreeShape
+
+    model, drafter = setup
+    prompts = prompts_of(5, seed=7)
+    expected = batch1_greedy(model, prompts, set())
+    engine = BatchedGreedy(model, 0, set(), cuda_graphs=False)
+    result = BatchedSpeculative(engine, TreeDrafts(engine, drafter, TreeShape(*shape))).generate(prompts, MAX_NEW, set(), shape[0])
+    assert result.tokens == expected
+    assert max(max(lengths) for lengths in result.acceptance_lengths) > 2  # some round kept a path of two drafts or more
+    single = StaticLlama(model, capacity=128, cuda_graphs=False)
+    with torch.inference_mode():
+        alone = [tree_decode(single, drafter, prompt, MAX_NEW, set(), *shape).acceptance_lengths for prompt in prompts]
+    assert alone == result.acceptance_lengths

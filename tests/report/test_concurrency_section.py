@@ -32,17 +32,20 @@ def concurrency_block() -> dict:
         rows = []
         for label, (speedup, lossless) in settings.items():
             kind, k = label.rsplit(" ", 1)
-            rows.append({"label": label, "kind": "chain" if kind == "chain" else "ngram", "draft_tokens": int(k), "tokens_per_s": greedy * speedup,
+            rows.append({"label": label, "kind": "chain" if kind == "chain" else "ngram", "draft_tokens": int(k), "steps": int(k), "topk": 1,
+                         "tokens_per_s": greedy * speedup,
                          "speedup": speedup, "lossless": lossless, "rows": batch, "float32_identical_rows": batch if lossless else batch - 1})
         winners = [r for r in rows if r["lossless"] and r["speedup"] > 1]
         best = max(winners, key=lambda r: r["tokens_per_s"], default=None)
+        chain = max([r for r in winners if r["kind"] == "chain"], key=lambda r: r["tokens_per_s"], default=None)
         per_batch.append({"batch": batch, "distinct_prompts": min(batch, 2), "greedy": {"tokens_per_s": greedy}, "settings": rows,
                           "recommended": None if best is None else {k: best[k] for k in ("label", "kind", "draft_tokens", "speedup")},
+                          "chain": None if chain is None else {k: chain[k] for k in ("label", "kind", "draft_tokens", "speedup")},
                           "recommendation": NO_SPECULATION if best is None else best["label"], "sglang_flags": sglang_flags(best)})
     schedule = vllm_schedule(per_batch)
     adaptive = sglang_adaptive_config(per_batch)
     return {"batches": [1, 4, 16, 64], "off_reason": None, "settings": ["chain 4", "chain 2", "n-gram 4"], "per_batch": per_batch,
-            "trees": "not batched", "lossless_dtype": "float32", "vllm_schedule": schedule, "vllm_flags": vllm_flags(schedule, "/drafters/d"),
+            "lossless_dtype": "float32", "vllm_schedule": schedule, "vllm_flags": vllm_flags(schedule, "/drafters/d"),
             "sglang_adaptive_config": adaptive, "sglang_adaptive_flags": sglang_adaptive_flags(adaptive)}
 
 

@@ -9,9 +9,10 @@ dtype, the decodes run again on a float32 copy, as the batch-1 benchmark's float
 
 The recommendation per B is the fastest lossless setting that beats greedy, else "no speculation", with its serving
 flags: SGLang's for a launch at that load, SGLang's adaptive tiers (--speculative-adaptive, candidate steps per batch
-size) for the chain, and vLLM's `num_speculative_tokens_per_batch_size` schedule for the chain (0 drafts where no chain
-beats greedy).
-Trees are not batched: EAGLE's maintainers advise no trees above batch 1.
+size) and vLLM's `num_speculative_tokens_per_batch_size` schedule, both from the fastest lossless chain at each load
+(0 drafts where no chain beats greedy).
+The sweep's trees are batched too (eyrie.decoding.batched_tree): EAGLE's maintainers advise no trees above batch 1,
+and the figures per B say where that holds for this drafter; the schedules above take the best chain at each load.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import shlex
 import time
 
 from eyrie.decoding.batched_speculative import BatchedSpeculative, needed_slots, trimmed
+from eyrie.decoding.batched_tree import TreeDrafts
+from eyrie.decoding.tree import TreeShape
 from eyrie.target.serving import eagle3_flags
 
 NO_SPECULATION = "no speculation"
@@ -31,10 +34,18 @@ OFF_REASON = "bench.concurrency is empty: batched decoding is off (on the CPU de
 
 
 def settings_of(draft_tokens: int, sweep: list, ngram: bool) -> list[dict]:
-    """{label, kind, draft_tokens}: the main chain, the sweep's chains (trees are batch-1 only), the n-gram at the main k."""
+    """{label, kind, draft_tokens, steps, topk}: the main chain, the sweep's chains and trees, the n-gram at the main k.
+    draft_tokens is k for a chain or the n-gram (k + 1 rows verified), SGLang's N for a tree (N rows verified)."""
     ks = [draft_tokens] + [s.steps for s in sweep if s.topk == 1 and s.draft_tokens == s.steps + 1]
-    chains = [{"label": f"chain {k}", "kind": "chain", "draft_tokens": k} for k in dict.fromkeys(ks)]
-    return chains + ([{"label": f"n-gram {draft_tokens}", "kind": "ngram", "draft_tokens": draft_tokens}] if ngram else [])
+    chains = [{"label": f"chain {k}", "kind": "chain", "draft_tokens": k, "steps": k, "topk": 1} for k in dict.fromkeys(ks)]
+    trees = [{"label": f"tree {s.steps}-{s.topk}-{s.draft_tokens}", "kind": "tree", "draft_tokens": s.draft_tokens, "steps": s.steps, "topk": s.topk}
+             for s in dict.fromkeys(sweep) if not (s.topk == 1 and s.draft_tokens == s.steps + 1)]
+    ngrams = [{"label": f"n-gram {draft_tokens}", "kind": "ngram", "draft_tokens": draft_tokens, "steps": draft_tokens, "topk": 1}] if ngram else []
+    return chains + trees + ngrams
+
+
+def verify_rows(setting: dict) -> int:
+    return setting["draft_tokens"] if setting["kind"] == "tree" else setting["draft_tokens"] + 1
 
 
 def batch_prompts(encoded: list[tuple[str, list[int]]], batch: int) -> list[list[int]]:
@@ -51,12 +62,16 @@ def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens:
     """One decoder per setting, with the engine grown to the largest setting's cache first and each setting's round
     graphs captured (BatchedSpeculative.prepare): nothing is allocated or captured inside a timed decode."""
     width = max(len(p) for p in prompts)
-    slots = max([width + max_new_tokens] + [needed_slots(width, max_new_tokens, s["draft_tokens"])[0] for s in settings])
+    slots = max([width + max_new_tokens] + [needed_slots(width, max_new_tokens, verify_rows(s), 0)[0] for s in settings])
     engine.reserve(len(prompts), slots, max_new_tokens)
     decoders = []
     for setting in settings:
-        decoder = BatchedSpeculative(engine, drafter if setting["kind"] == "chain" else "ngram")
-        decoder.prepare(len(prompts), width, max_new_tokens, setting["draft_tokens"])
+        if setting["kind"] == "tree":
+            drafts = TreeDrafts(engine, drafter, TreeShape(setting["steps"], setting["topk"], setting["draft_tokens"]))
+        else:
+            drafts = drafter if setting["kind"] == "chain" else "ngram"
+        decoder = BatchedSpeculative(engine, drafts)
+        decoder.prepare(len(prompts), width, max_new_tokens, setting["steps"])
         decoders.append(decoder)
     return decoders
 
@@ -71,8 +86,8 @@ def measure_batch(engine, drafter, settings: list[dict], prompts, max_new_tokens
               "seconds": greedy_seconds}
     rows = []
     for setting, decoder in zip(settings, decoders):
-        decoder.generate(prompts, WARMUP_TOKENS, stop_ids, setting["draft_tokens"])
-        result = decoder.generate(prompts, max_new_tokens, stop_ids, setting["draft_tokens"])
+        decoder.generate(prompts, WARMUP_TOKENS, stop_ids, setting["steps"])
+        result = decoder.generate(prompts, max_new_tokens, stop_ids, setting["steps"])
         produced = sum(len(t) for t in result.tokens)
         row_rounds = sum(len(lengths) for lengths in result.acceptance_lengths)
         emitted = sum(sum(lengths) for lengths in result.acceptance_lengths)
@@ -94,7 +109,7 @@ def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tok
     engine = open_batched_greedy(model32, pad_id, stop_ids, rows=len(prompts))
     greedy, _ = _greedy(engine, prompts, max_new_tokens, stop_ids)
     decoders = decoders_for(engine, drafter32, settings, prompts, max_new_tokens)
-    return [sum(a == b for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["draft_tokens"]).tokens, greedy))
+    return [sum(a == b for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["steps"]).tokens, greedy))
             for s, d in zip(settings, decoders)]
 
 
@@ -105,25 +120,23 @@ def recommend(rows: list[dict]) -> dict | None:
 
 
 def sglang_flags(best: dict | None) -> str:
-    """SGLang's launch flags for one load (the drafter's path aside): an EAGLE-3 chain, NGRAM, or none."""
+    """SGLang's launch flags for one load (the drafter's path aside): an EAGLE-3 chain or tree, NGRAM, or none."""
     if best is None:
         return ""
-    k = best["draft_tokens"]
-    if best["kind"] == "chain":
-        return shlex.join(eagle3_flags(k, 1, k + 1))
-    return shlex.join(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1)])
+    if best["kind"] == "ngram":
+        return shlex.join(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(best["draft_tokens"] + 1)])
+    return shlex.join(eagle3_flags(best["steps"], best["topk"], verify_rows(best)))
 
 
 def vllm_schedule(per_batch: list[dict]) -> list[list[int]] | None:
     """vLLM's num_speculative_tokens_per_batch_size for the chain: [start, end, k] ranges, each measured B from itself to the
     next one less one (the first from 1; vLLM carries the last past its end), k = the recommended chain's, 0 without one;
     None when no load recommends a chain (serve without speculation)."""
-    if not any(p["recommended"] and p["recommended"]["kind"] == "chain" for p in per_batch):
+    if not any(p["chain"] for p in per_batch):
         return None
     schedule = []
     for index, entry in enumerate(per_batch):
-        best = entry["recommended"]
-        k = best["draft_tokens"] if best and best["kind"] == "chain" else 0
+        k = entry["chain"]["draft_tokens"] if entry["chain"] else 0
         start = 1 if index == 0 else entry["batch"]
         end = per_batch[index + 1]["batch"] - 1 if index + 1 < len(per_batch) else entry["batch"]
         schedule.append([start, end, k])
@@ -144,12 +157,11 @@ def sglang_adaptive_config(per_batch: list[dict]) -> dict | None:
     "1"; SGLang routes a batch to the largest tier at or below it, so a tier holds from its B to the next), its
     candidate_steps the recommended chain's k alone, so SGLang serves what was measured there instead of probing others,
     and [0] (no drafting) where no chain is recommended; None when no load recommends a chain (serve without speculation)."""
-    if not any(p["recommended"] and p["recommended"]["kind"] == "chain" for p in per_batch):
+    if not any(p["chain"] for p in per_batch):
         return None
     tiers = {}
     for index, entry in enumerate(per_batch):
-        best = entry["recommended"]
-        tiers[str(1 if index == 0 else entry["batch"])] = {"candidate_steps": [best["draft_tokens"] if best and best["kind"] == "chain" else 0]}
+        tiers[str(1 if index == 0 else entry["batch"])] = {"candidate_steps": [entry["chain"]["draft_tokens"] if entry["chain"] else 0]}
     return tiers
 
 
@@ -165,11 +177,11 @@ def sglang_adaptive_flags(adaptive: dict | None, config_path: str = ADAPTIVE_CON
 
 def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, sweep: list = (), drafter_dir=None) -> dict:
     """The `concurrency` block: {batches, settings, per_batch [{batch, distinct_prompts, greedy, settings, recommended,
-    sglang_flags}], vllm_schedule, vllm_flags, off_reason, trees}. engine: a BatchedRows on `model` (open_batched_greedy)."""
+    chain, sglang_flags}], vllm_schedule, vllm_flags, off_reason}. engine: a BatchedRows on `model` (open_batched_greedy)."""
     import torch
 
     batches = sorted(set(cfg.get("concurrency") or []))
-    block = {"batches": batches, "off_reason": None, "trees": "not batched: EAGLE's maintainers advise no trees above batch 1",
+    block = {"batches": batches, "off_reason": None,
              "lossless_dtype": "float32", "per_batch": [], "vllm_schedule": None, "vllm_flags": None,
              "sglang_adaptive_config": None, "sglang_adaptive_flags": None}
     if not batches:
@@ -192,9 +204,11 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
         for row, same in zip(rows, identical):
             row["lossless"] = same == batch
             row["float32_identical_rows"] = same
-        best = recommend(rows)
+        best, chain = recommend(rows), recommend([r for r in rows if r["kind"] == "chain"])
+        keys = ("label", "kind", "draft_tokens", "steps", "topk", "speedup")
         block["per_batch"].append({"batch": batch, "distinct_prompts": min(batch, len(encoded)), "greedy": greedy, "settings": rows,
-                                   "recommended": None if best is None else {k: best[k] for k in ("label", "kind", "draft_tokens", "speedup")},
+                                   "recommended": None if best is None else {k: best[k] for k in keys},
+                                   "chain": None if chain is None else {k: chain[k] for k in keys},  # the schedules' chain at this load
                                    "recommendation": NO_SPECULATION if best is None else best["label"],
                                    "sglang_flags": sglang_flags(best)})
     block["capture_failures"] = list(dict.fromkeys(engine.capture_failures))  # steps or rounds that ran eagerly, and why

@@ -15,8 +15,9 @@ the EAGLE-3 chain or prompt lookup, each row accepting its own number of drafts 
            counting.
 
 Holes cost attention width: a round spans k + 1 slots whatever it accepts, so the span grows by k + 1 per round; at
-the benchmark's lengths (a few hundred slots) attention is a small part of a step. Trees are not batched: EAGLE's
-maintainers advise no trees above batch 1.
+the benchmark's lengths (a few hundred slots) attention is a small part of a step. Every drafting is a Proposal: a
+tree over the verify's rows (a chain is one branch), verified and accepted the same way; trees of SGLang's (S, K, N)
+are drafted by eyrie.decoding.batched_tree.
 """
 
 from __future__ import annotations
@@ -44,11 +45,34 @@ class BatchedSpecResult:
     acceptance_lengths: list[list[int]]  # per request, per round it was active: tokens the round emitted for it
 
 
-def needed_slots(width: int, max_new_tokens: int, draft_tokens: int) -> tuple[int, int]:
+def needed_slots(width: int, max_new_tokens: int, verify_rows: int, drafter_rows: int) -> tuple[int, int]:
     """(target cache slots, drafter cache slots) for prompts padded to `width`: each round may emit only its bonus token,
-    so up to max_new_tokens - 1 rounds of k + 1 target slots (2k drafter slots) each."""
+    so up to max_new_tokens - 1 rounds writing verify_rows target slots and drafter_rows drafter slots each (a chain of
+    k: k + 1 and 2k)."""
     rounds = max(max_new_tokens - 1, 1)
-    return round_up(width + rounds * (draft_tokens + 1) + 1), round_up(width + rounds * 2 * draft_tokens + 2 * draft_tokens + 1)
+    return round_up(width + rounds * verify_rows + 1), round_up(width + rounds * drafter_rows + drafter_rows + 1)
+
+
+@dataclass
+class Proposal:
+    """A round's drafts for every row, as a tree over the verify's rows (row 0: the current token; a chain is a tree of
+    one branch). tokens (R, T - 1): the drafted target ids after the current token; parents (R, T): each row's
+    parent row (row 0 its own); depths (R, T); ancestry (R, T, T): row j is row i's ancestor or i itself; steps: the
+    deepest depth."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestry: torch.Tensor
+    steps: int
+
+
+def chain_layout(rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parents, depths, ancestry) of a chain of k drafts for `rows` rows: row i's parent is i - 1, its depth i."""
+    index = torch.arange(k + 1, device=device)
+    parents = (index - 1).clamp(min=0)
+    ancestry = index[None, :] <= index[:, None]
+    return parents.expand(rows, -1), index.expand(rows, -1), ancestry.expand(rows, -1, -1)
 
 
 def _new_slots(slots: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor:
@@ -86,6 +110,7 @@ class ChainDrafts:
         self.ext_start = torch.zeros(rows, dtype=torch.long, device=device)
         self.ext_last = torch.zeros(rows, dtype=torch.long, device=device)
         self.capacity, self.k, self.host_slot = capacity, k, 0
+        self.layout = chain_layout(rows, k, device)
 
     def state(self) -> list[torch.Tensor]:
         """The buffers a round changes besides the cache (zeroed before a graph's capture)."""
@@ -126,31 +151,44 @@ class ChainDrafts:
         self.slot.fill_(width - 1)
         self.host_slot = width - 1
 
+    def steps(self, k: int) -> int:
+        return k
+
+    def rows_per_round(self, k: int) -> tuple[int, int]:
+        """(target slots, drafter slots) a round writes: k + 1 verified; an extend of k + 1, then k - 1 chain steps."""
+        return k + 1, 2 * k
+
     def span(self, k: int) -> int:
-        """The attention span of the next round: its extend writes k + 1 slots, its chain k - 1 more."""
-        return span_for(self.host_slot + 2 * k, self.capacity)
+        """The attention span of the next round's drafting."""
+        return span_for(self.host_slot + self.rows_per_round(k)[1], self.capacity)
 
     def advance(self, k: int) -> None:
-        self.host_slot += 2 * k
+        self.host_slot += self.rows_per_round(k)[1]
 
-    def draft(self, k: int, span: int) -> torch.Tensor:
-        """(R, k) drafts: extend with the last round's accepted positions (padding rows past ext_last), then chain."""
-        count = k + 1
+    def extend(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The extend with the last round's accepted positions (padding rows past ext_last) at slots slot..slot+S:
+        (the last real row's output (R, 1, H), its position (R,))."""
+        count = self.ext_ids.shape[1]
         offsets = torch.arange(count, device=self.device)
         written = self.slot + offsets
         visible = self.valid[:, None, :span] | _new_slots(self.slots[:span], self.slot, count)[None]
         out = self._forward(self.drafter.project_aux(self.ext_aux.to(self.dtype)), self.ext_ids, self.ext_start[:, None] + offsets, written, visible)
         self.valid.index_copy_(1, written, offsets[None] <= self.ext_last[:, None])
         out = out.gather(1, self.ext_last[:, None, None].expand(-1, 1, out.shape[-1]))  # (R, 1, H): the last real row's
-        last = self.ext_start + self.ext_last
+        return out, self.ext_start + self.ext_last
+
+    def draft(self, k: int, span: int) -> Proposal:
+        """The chain: the extend, then k - 1 steps, each seeing the chain's earlier steps (slots after the extend, not
+        kept after the round)."""
+        out, last = self.extend(span)
         drafts = [self._token(out)]
-        chain = self.slot + count
-        for j in range(1, k):  # each step sees the chain's earlier steps (slots chain..), not kept after the round
+        chain = self.slot + (k + 1)
+        for j in range(1, k):
             visible = self.valid[:, None, :span] | _new_slots(self.slots[:span], chain, j)[None][:, -1:]
             out = self._forward(out, drafts[-1], (last + j)[:, None], chain + (j - 1), visible)
             drafts.append(self._token(out))
         self.slot.add_(2 * k)
-        return torch.cat(drafts, dim=1)
+        return Proposal(torch.cat(drafts, dim=1), *self.layout, steps=k)
 
     def _token(self, out):
         return self.drafter.draft_ids_to_target(self.drafter.head(out).argmax(-1))  # (R, 1)
@@ -175,7 +213,14 @@ class NgramDrafts:
 
     def allocate(self, capacity: int, k: int, rows: int, device) -> None:
         self.proposed = torch.zeros(rows, k, dtype=torch.long, device=device)
+        self.layout = chain_layout(rows, k, device)
         self.capacity, self.k = capacity, k
+
+    def steps(self, k: int) -> int:
+        return k
+
+    def rows_per_round(self, k: int) -> tuple[int, int]:
+        return k + 1, 0
 
     def state(self) -> list[torch.Tensor]:
         return []
@@ -197,8 +242,8 @@ class NgramDrafts:
             rows.append(proposed if proposed is not None else [sequence[-1]] * k)
         self.proposed.copy_(torch.tensor(rows, dtype=torch.long))
 
-    def draft(self, k: int, span: int) -> torch.Tensor:
-        return self.proposed
+    def draft(self, k: int, span: int) -> Proposal:
+        return Proposal(self.proposed, *self.layout, steps=k)
 
     def accepted(self, aux, predicted, start, accepted) -> None:
         pass
@@ -206,13 +251,17 @@ class NgramDrafts:
 
 class BatchedSpeculative:
     """Speculative decoding of many prompts at once on `engine` (a BatchedRows: its cache, rows and forward), drafted by
-    an Eagle3Drafter (the chain) or, with drafter "ngram", by prompt lookup. Each row's tokens equal its greedy decode.
-    Reuse one for repeated decodes of a batch shape: its round graphs stay captured while the buffers do."""
+    an Eagle3Drafter (the chain), "ngram" (prompt lookup) or a drafts object such as
+    eyrie.decoding.batched_tree.TreeDrafts. Each row's tokens equal its greedy decode. Reuse one for repeated decodes
+    of a batch shape: its round graphs stay captured while the buffers do."""
 
     def __init__(self, engine: BatchedRows, drafter):
         self.engine = engine
-        self.ngram = drafter == "ngram"
-        self.drafts = NgramDrafts() if self.ngram else ChainDrafts(engine, drafter)
+        self.ngram = isinstance(drafter, str) and drafter == "ngram"
+        if self.ngram:
+            self.drafts = NgramDrafts()
+        else:
+            self.drafts = ChainDrafts(engine, drafter) if isinstance(drafter, Eagle3Drafter) else drafter
         self.windowed = engine.windowed
         self.rounds: dict[tuple[int, int], Replay] = {}  # by (target span, drafter span)
         self.made_for = None  # the buffers the graphs point at
@@ -222,7 +271,8 @@ class BatchedSpeculative:
         """Buffers for `count` prompts padded to `width`, and a round graph for each pair of spans the decode will
         reach: call before timing a decode (generate calls it too, and finds it done)."""
         engine = self.engine
-        target_slots, drafter_slots = needed_slots(width, max_new_tokens, k)
+        verify_rows, drafter_rows = self.drafts.rows_per_round(k)
+        target_slots, drafter_slots = needed_slots(width, max_new_tokens, verify_rows, drafter_rows)
         engine.reserve(count, target_slots, max_new_tokens)
         capacity = max(drafter_slots, self.drafts.capacity)
         key = (id(engine.keys), engine.rows, engine.capacity, capacity, k)
@@ -237,17 +287,20 @@ class BatchedSpeculative:
             self.current = torch.zeros(engine.rows, 1, dtype=torch.long, device=device)  # each row's next input
             self.position = torch.zeros(engine.rows, dtype=torch.long, device=device)  # its position
             self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the target slot the next round writes first
-            self.read = torch.zeros(engine.rows, k + 2, dtype=torch.long, device=device)  # accepted count, then k + 1 tokens
+            steps = self.drafts.steps(k)
+            self.read = torch.zeros(engine.rows, steps + 2, dtype=torch.long, device=device)  # accepted count, the path's tokens and the bonus
+            self.depth_range = torch.arange(1, steps + 1, device=device)
             self.rounds, self.made_for = {}, key
         self._capture(self._spans(width, max_new_tokens, k), k)
 
     def _spans(self, width: int, max_new_tokens: int, k: int) -> list[tuple[int, int]]:
         """The (target span, drafter span) of every round a decode may run (each may emit only its bonus token)."""
+        verify_rows, drafter_rows = self.drafts.rows_per_round(k)
         pairs, drafter_slot = [], width - 1
         for r in range(max(max_new_tokens - 1, 1)):
-            drafter_span = 0 if self.ngram else span_for(drafter_slot + 2 * k, self.drafts.capacity)
-            pairs.append((span_for(width + r * (k + 1) + k + 1, self.engine.capacity), drafter_span))
-            drafter_slot += 2 * k
+            drafter_span = 0 if self.ngram else span_for(drafter_slot + drafter_rows, self.drafts.capacity)
+            pairs.append((span_for(width + (r + 1) * verify_rows, self.engine.capacity), drafter_span))
+            drafter_slot += drafter_rows
         return list(dict.fromkeys(pairs))
 
     def _capture(self, pairs, k: int) -> None:
@@ -271,24 +324,43 @@ class BatchedSpeculative:
         return engine.head(x), aux
 
     def _round(self, k: int, span: int, drafter_span: int) -> None:
-        """One round on the buffers: draft, verify k + 1 tokens per row, accept, and the next round's inputs."""
-        drafts = self.drafts.draft(k, drafter_span)  # (R, k)
-        offsets = torch.arange(k + 1, device=self.slot.device)
+        """One round on the buffers: draft, verify the proposal's rows (row r at slot + r, position + its depth, seeing
+        the row's kept slots and its ancestors), keep the deepest path the target agrees with, and the next round's
+        inputs."""
+        proposal = self.drafts.draft(k, drafter_span)
+        ids = torch.cat([self.current, proposal.tokens], dim=1)  # (R, T)
+        rows, count = ids.shape
+        offsets = torch.arange(count, device=ids.device)
         slots = self.slot + offsets
-        visible = self.valid[:, None, :span] | _new_slots(self.engine.slots[:span], self.slot, k + 1)[None]
-        predicted, aux = self._run(torch.cat([self.current, drafts], dim=1), slots, self.position[:, None] + offsets, visible, self.drafts.aux_layers)
-        accepted = (drafts == predicted[:, :k]).long().cumprod(1).sum(1)  # (R,)
-        self.valid.index_copy_(1, slots, offsets[None] <= accepted[:, None])
-        self.drafts.accepted(aux, predicted, self.position, accepted)
-        self.current.copy_(predicted.gather(1, accepted[:, None]))
+        relative = self.engine.slots[:span] - self.slot  # (span,): which verify row a key slot holds, if any
+        in_round = (relative >= 0) & (relative < count)
+        ancestors = proposal.ancestry.gather(2, relative.clamp(0, count - 1)[None, None].expand(rows, count, -1)) & in_round
+        predicted, aux = self._run(ids, slots, self.position[:, None] + proposal.depths, self.valid[:, None, :span] | ancestors,
+                                   self.drafts.aux_layers)
+        # Accept: the deepest row whose whole path the target agrees with (the first of them), then the bonus.
+        root = offsets[None] == 0
+        agreed = root.expand(rows, -1)
+        for _ in range(proposal.steps):
+            agreed = ((ids == predicted.gather(1, proposal.parents)) & agreed.gather(1, proposal.parents)) | root
+        best = (proposal.depths * agreed).argmax(1, keepdim=True)  # (R, 1)
+        accepted = proposal.depths.gather(1, best)[:, 0]
+        on_path = proposal.ancestry.gather(1, best[:, :, None].expand(-1, 1, count))[:, 0]  # (R, T)
+        by_depth = (on_path[:, None] & (proposal.depths[:, None] == self.depth_range[None, :, None])).long().argmax(2)
+        path = torch.cat([torch.zeros_like(best), by_depth], dim=1)  # (R, S + 1): the path's rows by depth (past accepted: row 0)
+        new = predicted.gather(1, path)  # the path's own tokens after the current one, then the bonus
+        self.valid.index_copy_(1, slots, on_path)
+        path_aux = None if aux is None else aux.gather(1, path[:, :, None].expand(-1, -1, aux.shape[-1]))
+        self.drafts.accepted(path_aux, new, self.position, accepted)
+        self.current.copy_(new.gather(1, accepted[:, None]))
         self.position.add_(accepted + 1)
-        self.slot.add_(k + 1)
+        self.slot.add_(count)
         self.read[:, 0] = accepted
-        self.read[:, 1:] = predicted
+        self.read[:, 1:] = new
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids, draft_tokens: int) -> BatchedSpecResult:
-        """Up to max_new_tokens tokens per prompt, k = draft_tokens drafts per row per round."""
+        """Up to max_new_tokens tokens per prompt, k = draft_tokens drafts per row per round (a chain or prompt lookup;
+        a tree's drafts object has its own shape)."""
         engine, k, stop_ids = self.engine, draft_tokens, set(stop_ids)
         count, width = len(prompts), max(len(p) for p in prompts)
         self.prepare(count, width, max_new_tokens, k)
@@ -318,14 +390,15 @@ class BatchedSpeculative:
         tokens = [[t] for t in first[:count].tolist()]
         active = [not (row[-1] in stop_ids or max_new_tokens <= 1) for row in tokens]
         lengths: list[list[int]] = [[] for _ in range(count)]
+        verify_rows = self.drafts.rows_per_round(k)[0]
         slot, rounds = width, 0  # the host's copy of self.slot: it picks the round's spans
         while any(active):
             if self.ngram:
                 self.drafts.propose(k, [list(prompts[r]) + tokens[r] if r < count else [pad_id] for r in range(rows)])
-            pair = (span_for(slot + k + 1, engine.capacity), self.drafts.span(k))
+            pair = (span_for(slot + verify_rows, engine.capacity), self.drafts.span(k))
             self.rounds[pair]()
             self.drafts.advance(k)
-            slot += k + 1
+            slot += verify_rows
             rounds += 1
             for r, (a, *row) in enumerate(self.read[:count].tolist()):  # the round's one host read
                 if not active[r]:

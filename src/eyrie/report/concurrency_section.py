@@ -25,7 +25,7 @@ def concurrency_figures(data: Any, name: str, warnings: list) -> dict[str, Any] 
         return None
     off = data.get("off_reason")
     figures: dict[str, Any] = {"off_reason": str(off) if off else None, "batches": [], "settings": [], "per_batch": [], "curves": [],
-                               "trees": data.get("trees"), "lossless_dtype": data.get("lossless_dtype"), "vllm_flags": data.get("vllm_flags"),
+                               "lossless_dtype": data.get("lossless_dtype"), "vllm_flags": data.get("vllm_flags"),
                                "adaptive_config_json": None, "adaptive_file": None, "adaptive_flags": data.get("sglang_adaptive_flags")}
     entries = [e for e in data.get("per_batch") or [] if isinstance(e, dict) and isinstance(e.get("batch"), int)]
     if off or not entries:
