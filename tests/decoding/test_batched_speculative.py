@@ -91,9 +91,14 @@ def test_a_finished_row_stops(setup):
 
 
 def test_cache_slots_cover_the_worst_case():
-    target, drafter = needed_slots(13, 20, 5, 8)  # a chain of 4: 5 verified rows, 8 drafter slots a round
-    assert target >= 13 + 19 * 5 + 1 and target % 64 == 0
-    assert drafter >= 13 + 19 * 8 + 8
+    """Every round may emit only its bonus token: max_new_tokens - 1 rounds, each moving the caches on by S + 1 slots
+    (the longest path a round can keep) and writing its rows from there; a tree's width costs one round's slots, not
+    one per round."""
+    target, drafter = needed_slots(13, 20, 5, 5, 8)  # a chain of 4: 5 verified rows, 8 drafter slots a round
+    assert target >= 13 + 18 * 5 + 5 and target % 64 == 0
+    assert drafter >= 13 + 18 * 5 + 8
+    tree, _ = needed_slots(13, 20, 9, 64, 0)  # an (8, 10, 64) tree
+    assert 13 + 18 * 9 + 64 <= tree < 13 + 19 * 64
 
 
 @pytest.mark.parametrize("shape", [(3, 2, 6), (2, 3, 5), (3, 1, 4)])

@@ -124,6 +124,22 @@ def test_batched_greedy_equals_each_prompts_generate(family, models):
     assert loop.generate(PROMPTS, NEW) == [generated(model, prompt) for prompt in PROMPTS]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_speculation_gives_each_rows_greedy(family, models):
+    """The benchmark's batched chain, tree and prompt lookup on every family's engine (sliding windows, MLA, MoE):
+    each row's tokens are that prompt's greedy decode."""
+    from eyrie.decoding.batched_speculative import BatchedSpeculative
+    from eyrie.decoding.batched_tree import TreeDrafts
+    from eyrie.decoding.tree import TreeShape
+
+    model, drafter, _ = models(family)
+    expected = [generated(model, prompt) for prompt in PROMPTS]
+    engine = open_batched_greedy(model, pad_id=0, stop_ids=set(), cuda_graphs=False)
+    steps, topk, draft_tokens = TREES[0]
+    for drafts, k in ((drafter, 3), ("ngram", 3), (TreeDrafts(engine, drafter, TreeShape(steps, topk, draft_tokens)), steps)):
+        assert BatchedSpeculative(engine, drafts).generate(PROMPTS, NEW, set(), k).tokens == expected, drafts
+
+
 def test_the_generic_engine_runs_llama_as_the_fast_path_does(models):
     """StaticModules on a Llama (the target's own layers) gives the fast path's logits and tokens."""
     model, drafter, fast = models("llama")

@@ -62,7 +62,7 @@ def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens:
     """One decoder per setting, with the engine grown to the largest setting's cache first and each setting's round
     graphs captured (BatchedSpeculative.prepare): nothing is allocated or captured inside a timed decode."""
     width = max(len(p) for p in prompts)
-    slots = max([width + max_new_tokens] + [needed_slots(width, max_new_tokens, verify_rows(s), 0)[0] for s in settings])
+    slots = max([width + max_new_tokens] + [needed_slots(width, max_new_tokens, s["steps"] + 1, verify_rows(s), 0)[0] for s in settings])
     engine.reserve(len(prompts), slots, max_new_tokens)
     decoders = []
     for setting in settings:

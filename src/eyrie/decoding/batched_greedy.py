@@ -69,6 +69,19 @@ class BatchedRows:
         if rows > self.rows or slots > self.capacity or max_new > self.max_new:
             self._allocate(max(rows, self.rows), max(slots, self.capacity), max(max_new, self.max_new))
 
+    def move_row_slots(self, moved_from: torch.Tensor, moved_to: torch.Tensor) -> None:
+        """Each row's K/V of slots moved_from[r] to slots moved_to[r] ((rows, S) each), in every layer: a tree's accepted
+        path, row by row (all gathered before any is written). Caches are (..., rows, heads, slots, dim)."""
+        for cache in (self.keys, self.values):
+            for layer in [cache] if torch.is_tensor(cache) else cache:
+                axis = layer.dim() - 2
+                view = [1] * layer.dim()
+                view[-4], view[axis] = moved_from.shape
+                size = list(layer.shape)
+                size[axis] = moved_from.shape[1]
+                moved = layer.gather(axis, moved_from.view(view).expand(size))
+                layer.scatter_(axis, moved_to.view(view).expand(size), moved)
+
     def _emit(self, predicted: torch.Tensor) -> None:
         """Store each row's new token (padding once finished) and feed it to the next step."""
         predicted = torch.where(self.done, self.pad_id, predicted)

@@ -45,12 +45,12 @@ class BatchedSpecResult:
     acceptance_lengths: list[list[int]]  # per request, per round it was active: tokens the round emitted for it
 
 
-def needed_slots(width: int, max_new_tokens: int, verify_rows: int, drafter_rows: int) -> tuple[int, int]:
+def needed_slots(width: int, max_new_tokens: int, advance: int, verify_rows: int, drafter_rows: int) -> tuple[int, int]:
     """(target cache slots, drafter cache slots) for prompts padded to `width`: each round may emit only its bonus token,
-    so up to max_new_tokens - 1 rounds writing verify_rows target slots and drafter_rows drafter slots each (a chain of
-    k: k + 1 and 2k)."""
+    so up to max_new_tokens - 1 rounds, each moving both caches on by `advance` slots (S + 1: the longest path it can
+    keep) and writing verify_rows target slots and drafter_rows drafter slots from there (a chain of k: k + 1 and 2k)."""
     rounds = max(max_new_tokens - 1, 1)
-    return round_up(width + rounds * verify_rows + 1), round_up(width + rounds * drafter_rows + drafter_rows + 1)
+    return round_up(width + (rounds - 1) * advance + verify_rows + 1), round_up(width + (rounds - 1) * advance + drafter_rows + 1)
 
 
 @dataclass
@@ -163,7 +163,7 @@ class ChainDrafts:
         return span_for(self.host_slot + self.rows_per_round(k)[1], self.capacity)
 
     def advance(self, k: int) -> None:
-        self.host_slot += self.rows_per_round(k)[1]
+        self.host_slot += self.steps(k) + 1  # past the extend; the steps' slots after it are scratch, reused next round
 
     def extend(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The extend with the last round's accepted positions (padding rows past ext_last) at slots slot..slot+S:
@@ -187,7 +187,7 @@ class ChainDrafts:
             visible = self.valid[:, None, :span] | _new_slots(self.slots[:span], chain, j)[None][:, -1:]
             out = self._forward(out, drafts[-1], (last + j)[:, None], chain + (j - 1), visible)
             drafts.append(self._token(out))
-        self.slot.add_(2 * k)
+        self.slot.add_(k + 1)
         return Proposal(torch.cat(drafts, dim=1), *self.layout, steps=k)
 
     def _token(self, out):
@@ -272,7 +272,7 @@ class BatchedSpeculative:
         reach: call before timing a decode (generate calls it too, and finds it done)."""
         engine = self.engine
         verify_rows, drafter_rows = self.drafts.rows_per_round(k)
-        target_slots, drafter_slots = needed_slots(width, max_new_tokens, verify_rows, drafter_rows)
+        target_slots, drafter_slots = needed_slots(width, max_new_tokens, self.drafts.steps(k) + 1, verify_rows, drafter_rows)
         engine.reserve(count, target_slots, max_new_tokens)
         capacity = max(drafter_slots, self.drafts.capacity)
         key = (id(engine.keys), engine.rows, engine.capacity, capacity, k)
@@ -296,11 +296,12 @@ class BatchedSpeculative:
     def _spans(self, width: int, max_new_tokens: int, k: int) -> list[tuple[int, int]]:
         """The (target span, drafter span) of every round a decode may run (each may emit only its bonus token)."""
         verify_rows, drafter_rows = self.drafts.rows_per_round(k)
+        advance = self.drafts.steps(k) + 1
         pairs, drafter_slot = [], width - 1
         for r in range(max(max_new_tokens - 1, 1)):
             drafter_span = 0 if self.ngram else span_for(drafter_slot + drafter_rows, self.drafts.capacity)
-            pairs.append((span_for(width + (r + 1) * verify_rows, self.engine.capacity), drafter_span))
-            drafter_slot += drafter_rows
+            pairs.append((span_for(width + r * advance + verify_rows, self.engine.capacity), drafter_span))
+            drafter_slot += advance
         return list(dict.fromkeys(pairs))
 
     def _capture(self, pairs, k: int) -> None:
@@ -325,8 +326,9 @@ class BatchedSpeculative:
 
     def _round(self, k: int, span: int, drafter_span: int) -> None:
         """One round on the buffers: draft, verify the proposal's rows (row r at slot + r, position + its depth, seeing
-        the row's kept slots and its ancestors), keep the deepest path the target agrees with, and the next round's
-        inputs."""
+        the row's kept slots and its ancestors), keep the deepest path the target agrees with (a tree's path moved to
+        slots slot + 1.. row by row, so each round moves the cache on by S + 1 slots however wide the tree), and the
+        next round's inputs."""
         proposal = self.drafts.draft(k, drafter_span)
         ids = torch.cat([self.current, proposal.tokens], dim=1)  # (R, T)
         rows, count = ids.shape
@@ -348,12 +350,16 @@ class BatchedSpeculative:
         by_depth = (on_path[:, None] & (proposal.depths[:, None] == self.depth_range[None, :, None])).long().argmax(2)
         path = torch.cat([torch.zeros_like(best), by_depth], dim=1)  # (R, S + 1): the path's rows by depth (past accepted: row 0)
         new = predicted.gather(1, path)  # the path's own tokens after the current one, then the bonus
-        self.valid.index_copy_(1, slots, on_path)
+        if count > proposal.steps + 1:  # a tree: its path's K/V to slots slot + 1.. (past `accepted`: holes, masked)
+            self.engine.move_row_slots(self.slot + path[:, 1:], (self.slot + self.depth_range).expand(rows, -1))
+        kept = offsets[None] <= accepted[:, None]  # the current token and the path, at slots slot..slot + accepted
+        self.valid.index_copy_(1, slots, kept)
+        self.key_positions.index_copy_(1, slots, self.position[:, None] + offsets)
         path_aux = None if aux is None else aux.gather(1, path[:, :, None].expand(-1, -1, aux.shape[-1]))
         self.drafts.accepted(path_aux, new, self.position, accepted)
         self.current.copy_(new.gather(1, accepted[:, None]))
         self.position.add_(accepted + 1)
-        self.slot.add_(count)
+        self.slot.add_(proposal.steps + 1)
         self.read[:, 0] = accepted
         self.read[:, 1:] = new
 
@@ -390,7 +396,7 @@ class BatchedSpeculative:
         tokens = [[t] for t in first[:count].tolist()]
         active = [not (row[-1] in stop_ids or max_new_tokens <= 1) for row in tokens]
         lengths: list[list[int]] = [[] for _ in range(count)]
-        verify_rows = self.drafts.rows_per_round(k)[0]
+        verify_rows, advance = self.drafts.rows_per_round(k)[0], self.drafts.steps(k) + 1
         slot, rounds = width, 0  # the host's copy of self.slot: it picks the round's spans
         while any(active):
             if self.ngram:
@@ -398,7 +404,7 @@ class BatchedSpeculative:
             pair = (span_for(slot + verify_rows, engine.capacity), self.drafts.span(k))
             self.rounds[pair]()
             self.drafts.advance(k)
-            slot += verify_rows
+            slot += advance
             rounds += 1
             for r, (a, *row) in enumerate(self.read[:count].tolist()):  # the round's one host read
                 if not active[r]:

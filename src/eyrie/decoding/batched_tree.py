@@ -91,7 +91,7 @@ class TreeDrafts(ChainDrafts):
             ancestry = seen.gather(1, owner[:, :, None].expand(-1, -1, self.tree_slots))
             scores, tokens = cumulative.gather(1, best), child_tokens.gather(1, best)
             nodes = K + (depth - 1) * K * K + best
-        self.slot.add_(S + 1 + self.tree_slots)
+        self.slot.add_(S + 1)  # past the extend: the tree slots after it are scratch, reused next round
         return self._select(torch.cat(drafted, 1), torch.cat(parents, 1), torch.cat(all_scores, 1), N, S)
 
     def _select(self, tokens, parents, scores, count: int, steps: int) -> Proposal:
