@@ -191,3 +191,13 @@ def test_each_gpu_overlay_laid_over_the_gpu_config_is_valid(overlay):
 
     raw = _laid_over(yaml.safe_load((REPO / "configs" / "h200.yaml").read_text()), yaml.safe_load(overlay.read_text()))
     check_sweep(cfg.validate(raw, origin=str(overlay))["bench"]["sweep"])
+
+
+def test_each_wheel_benchmark_is_a_bench_setting_with_its_package_and_member():
+    from eyrie.core.schema import WHEEL_BENCHMARKS, load_schema
+
+    bench = load_schema()["properties"]["bench"]["properties"]
+    for name in WHEEL_BENCHMARKS:
+        assert name in bench, name
+        packaged = [option for option in bench[name].get("anyOf", bench[name].get("oneOf", [bench[name]])) if "properties" in option]
+        assert packaged and {"package", "member"} <= set(packaged[0]["properties"]), name

