@@ -22,7 +22,8 @@ import json
 import shlex
 import time
 
-from eyrie.decoding.batched_speculative import BatchedSpeculative, needed_slots, trimmed
+from eyrie.bench.sweep import label
+from eyrie.decoding.batched_speculative import BatchedSpeculative, trimmed
 from eyrie.decoding.batched_tree import TreeDrafts
 from eyrie.decoding.tree import TreeShape
 from eyrie.target.serving import eagle3_flags
@@ -36,10 +37,11 @@ OFF_REASON = "bench.concurrency is empty: batched decoding is off (on the CPU de
 def settings_of(draft_tokens: int, sweep: list, ngram: bool) -> list[dict]:
     """{label, kind, draft_tokens, steps, topk}: the main chain, the sweep's chains and trees, the n-gram at the main k.
     draft_tokens is k for a chain or the n-gram (k + 1 rows verified), SGLang's N for a tree (N rows verified)."""
-    ks = [draft_tokens] + [s.steps for s in sweep if s.topk == 1 and s.draft_tokens == s.steps + 1]
+    is_chain = {s: label(s).startswith("chain") for s in sweep}
+    ks = [draft_tokens] + [s.steps for s in sweep if is_chain[s]]
     chains = [{"label": f"chain {k}", "kind": "chain", "draft_tokens": k, "steps": k, "topk": 1} for k in dict.fromkeys(ks)]
-    trees = [{"label": f"tree {s.steps}-{s.topk}-{s.draft_tokens}", "kind": "tree", "draft_tokens": s.draft_tokens, "steps": s.steps, "topk": s.topk}
-             for s in dict.fromkeys(sweep) if not (s.topk == 1 and s.draft_tokens == s.steps + 1)]
+    trees = [{"label": label(s), "kind": "tree", "draft_tokens": s.draft_tokens, "steps": s.steps, "topk": s.topk}
+             for s in dict.fromkeys(sweep) if not is_chain[s]]
     ngrams = [{"label": f"n-gram {draft_tokens}", "kind": "ngram", "draft_tokens": draft_tokens, "steps": draft_tokens, "topk": 1}] if ngram else []
     return chains + trees + ngrams
 
@@ -62,17 +64,17 @@ def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens:
     """One decoder per setting, with the engine grown to the largest setting's cache first and each setting's round
     graphs captured (BatchedSpeculative.prepare): nothing is allocated or captured inside a timed decode."""
     width = max(len(p) for p in prompts)
-    slots = max([width + max_new_tokens] + [needed_slots(width, max_new_tokens, s["steps"] + 1, verify_rows(s), 0)[0] for s in settings])
-    engine.reserve(len(prompts), slots, max_new_tokens)
     decoders = []
     for setting in settings:
         if setting["kind"] == "tree":
             drafts = TreeDrafts(engine, drafter, TreeShape(setting["steps"], setting["topk"], setting["draft_tokens"]))
         else:
             drafts = drafter if setting["kind"] == "chain" else "ngram"
-        decoder = BatchedSpeculative(engine, drafts)
+        decoders.append(BatchedSpeculative(engine, drafts))
+    slots = [d.needed_slots(width, max_new_tokens, s["steps"])[0] for d, s in zip(decoders, settings)]
+    engine.reserve(len(prompts), max([width + max_new_tokens] + slots), max_new_tokens)
+    for decoder, setting in zip(decoders, settings):
         decoder.prepare(len(prompts), width, max_new_tokens, setting["steps"])
-        decoders.append(decoder)
     return decoders
 
 
@@ -130,8 +132,8 @@ def sglang_flags(best: dict | None) -> str:
 
 def vllm_schedule(per_batch: list[dict]) -> list[list[int]] | None:
     """vLLM's num_speculative_tokens_per_batch_size for the chain: [start, end, k] ranges, each measured B from itself to the
-    next one less one (the first from 1; vLLM carries the last past its end), k = the recommended chain's, 0 without one;
-    None when no load recommends a chain (serve without speculation)."""
+    next one less one (the first from 1; vLLM carries the last past its end), k = that load's fastest lossless chain's
+    (`chain`), 0 without one; None when no chain wins at any load (serve without speculation)."""
     if not any(p["chain"] for p in per_batch):
         return None
     schedule = []
@@ -155,8 +157,8 @@ def vllm_flags(schedule: list[list[int]] | None, drafter_dir: str = "<drafter>")
 def sglang_adaptive_config(per_batch: list[dict]) -> dict | None:
     """SGLang's --speculative-adaptive-config from the recommendation per load: one tier per measured B (the first keyed
     "1"; SGLang routes a batch to the largest tier at or below it, so a tier holds from its B to the next), its
-    candidate_steps the recommended chain's k alone, so SGLang serves what was measured there instead of probing others,
-    and [0] (no drafting) where no chain is recommended; None when no load recommends a chain (serve without speculation)."""
+    candidate_steps that load's fastest lossless chain's k alone (`chain`), so SGLang serves what was measured there
+    instead of probing others, and [0] (no drafting) where no chain wins; None when none wins at any load."""
     if not any(p["chain"] for p in per_batch):
         return None
     tiers = {}

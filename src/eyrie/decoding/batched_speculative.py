@@ -14,7 +14,8 @@ the EAGLE-3 chain or prompt lookup, each row accepting its own number of drafts 
   finished rows are masked: they still ride in the batch (static shapes, as in batched greedy), emit nothing and stop
            counting.
 
-Holes cost attention width: a round spans k + 1 slots whatever it accepts, so the span grows by k + 1 per round; at
+Holes cost attention width: a round moves the caches on by S + 1 slots whatever it accepts (a tree's kept path is
+moved to the front of its slots), so the span grows by S + 1 per round; at
 the benchmark's lengths (a few hundred slots) attention is a small part of a step. Every drafting is a Proposal: a
 tree over the verify's rows (a chain is one branch), verified and accepted the same way; trees of SGLang's (S, K, N)
 are drafted by eyrie.decoding.batched_tree.
@@ -93,7 +94,7 @@ class ChainDrafts:
         self.engine, self.drafter = engine, drafter
         self.aux_layers = tuple(i - 1 for i in capture_indices(drafter.shape.aux_layer_ids, len(engine.layers)))
         self.device, self.dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-        self.capacity, self.k = 0, 0
+        self.capacity = 0
 
     def allocate(self, capacity: int, k: int) -> None:
         rows, attention, device = self.engine.rows, self.drafter.midlayer.self_attn, self.device
@@ -109,7 +110,7 @@ class ChainDrafts:
         self.ext_ids = torch.zeros(rows, k + 1, dtype=torch.long, device=device)
         self.ext_start = torch.zeros(rows, dtype=torch.long, device=device)
         self.ext_last = torch.zeros(rows, dtype=torch.long, device=device)
-        self.capacity, self.k, self.host_slot = capacity, k, 0
+        self.capacity, self.host_slot = capacity, 0
         self.layout = chain_layout(rows, k, device)
 
     def state(self) -> list[torch.Tensor]:
@@ -207,14 +208,15 @@ class NgramDrafts:
 
     aux_layers = ()
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.capacity, self.k = 0, 0
+    def __init__(self, engine: BatchedRows, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        self.engine, self.max_ngram, self.min_ngram = engine, max_ngram, min_ngram
+        self.capacity = 0
 
-    def allocate(self, capacity: int, k: int, rows: int, device) -> None:
+    def allocate(self, capacity: int, k: int) -> None:
+        rows, device = self.engine.rows, self.engine.device
         self.proposed = torch.zeros(rows, k, dtype=torch.long, device=device)
         self.layout = chain_layout(rows, k, device)
-        self.capacity, self.k = capacity, k
+        self.capacity = capacity
 
     def steps(self, k: int) -> int:
         return k
@@ -259,7 +261,7 @@ class BatchedSpeculative:
         self.engine = engine
         self.ngram = isinstance(drafter, str) and drafter == "ngram"
         if self.ngram:
-            self.drafts = NgramDrafts()
+            self.drafts = NgramDrafts(engine)
         else:
             self.drafts = ChainDrafts(engine, drafter) if isinstance(drafter, Eagle3Drafter) else drafter
         self.windowed = engine.windowed
@@ -271,17 +273,13 @@ class BatchedSpeculative:
         """Buffers for `count` prompts padded to `width`, and a round graph for each pair of spans the decode will
         reach: call before timing a decode (generate calls it too, and finds it done)."""
         engine = self.engine
-        verify_rows, drafter_rows = self.drafts.rows_per_round(k)
-        target_slots, drafter_slots = needed_slots(width, max_new_tokens, self.drafts.steps(k) + 1, verify_rows, drafter_rows)
+        target_slots, drafter_slots = self.needed_slots(width, max_new_tokens, k)
         engine.reserve(count, target_slots, max_new_tokens)
         capacity = max(drafter_slots, self.drafts.capacity)
         key = (id(engine.keys), engine.rows, engine.capacity, capacity, k)
         if key != self.made_for:
             device = engine.device
-            if self.ngram:
-                self.drafts.allocate(capacity, k, engine.rows, device)
-            else:
-                self.drafts.allocate(capacity, k)
+            self.drafts.allocate(capacity, k)
             self.valid = torch.zeros(engine.rows, engine.capacity, dtype=torch.bool, device=device)  # slots each row keeps
             self.key_positions = torch.zeros(engine.rows, engine.capacity, dtype=torch.long, device=device)  # for windows
             self.current = torch.zeros(engine.rows, 1, dtype=torch.long, device=device)  # each row's next input
@@ -292,6 +290,10 @@ class BatchedSpeculative:
             self.depth_range = torch.arange(1, steps + 1, device=device)
             self.rounds, self.made_for = {}, key
         self._capture(self._spans(width, max_new_tokens, k), k)
+
+    def needed_slots(self, width: int, max_new_tokens: int, k: int) -> tuple[int, int]:
+        """(target cache slots, drafter cache slots) a decode of prompts padded to `width` may use (needed_slots)."""
+        return needed_slots(width, max_new_tokens, self.drafts.steps(k) + 1, *self.drafts.rows_per_round(k))
 
     def _spans(self, width: int, max_new_tokens: int, k: int) -> list[tuple[int, int]]:
         """The (target span, drafter span) of every round a decode may run (each may emit only its bonus token)."""
