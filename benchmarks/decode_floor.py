@@ -217,6 +217,7 @@ def run_batches(dtype_name: str, args) -> list[dict]:
     rounds' tokens."""
     from eyrie.bench.concurrency import decoders_for, settings_of
     from eyrie.decoding.batched_greedy import open_batched_greedy
+    from eyrie.decoding.graphs import release_graphs
     from eyrie.decoding.tree import TreeShape
 
     model, prompt = random_target(dtype_name, args)
@@ -257,7 +258,10 @@ def run_batches(dtype_name: str, args) -> list[dict]:
         print(f"{dtype_name:9} B {batch:3}  greedy {step_ms:7.3f} ms/step (rounds captured in {prepare_s:.1f} s);  " + ";  ".join(
               f"{label} {r['ms_per_round']:.3f} ms/round = {r['round_in_greedy_steps']:.2f} steps{'' if r['graphs_match_eager'] else ' (GRAPHS DIFFER FROM EAGER)'}"
               for label, r in row["settings"].items())
-              + (f"  CAPTURE FAILED: {engine.capture_failures[:1]}" if engine.capture_failures else ""), flush=True)
+              + (f"  CAPTURE FAILED: {engine.capture_failures[:1]}" if engine.capture_failures else "")
+              + (f"  (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)" if graphs else ""), flush=True)
+        del engine, eager, decoders
+        release_graphs()
     return rows
 
 

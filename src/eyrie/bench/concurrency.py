@@ -25,6 +25,7 @@ import time
 from eyrie.bench.sweep import label
 from eyrie.decoding.batched_speculative import BatchedSpeculative, trimmed
 from eyrie.decoding.batched_tree import TreeDrafts
+from eyrie.decoding.graphs import release_graphs
 from eyrie.decoding.tree import TreeShape
 from eyrie.target.serving import eagle3_flags
 
@@ -203,6 +204,7 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
         print(f"concurrency B = {batch}: greedy {greedy['tokens_per_s']:.0f} tok/s; "
               + ", ".join(f"{r['label']} {r['speedup']:.2f}x" for r in rows)
               + f"; measured in {measured - started:.1f} s, float32 check {time.perf_counter() - measured:.1f} s", flush=True)
+        release_graphs()  # this B's decoders and float32 copies
         for row, same in zip(rows, identical):
             row["lossless"] = same == batch
             row["float32_identical_rows"] = same

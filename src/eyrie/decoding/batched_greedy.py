@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from eyrie.decoding.graphs import Replay
+from eyrie.decoding.graphs import Replay, shared_pool
 from eyrie.decoding.static_common import round_up, span_for, spans_up_to
 from eyrie.decoding.static_llama import StaticLlama, llama_reason
 from eyrie.decoding.static_modules import StaticModules
@@ -40,6 +40,8 @@ class BatchedRows:
     def __init__(self, model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None):
         self.rows, self.max_new, self.steps = round_up(rows, ROW_STEP), 0, {}
         super().__init__(model, capacity, cuda_graphs)
+        # The greedy steps and every BatchedSpeculative round on this engine: all write only preallocated buffers.
+        self.graph_pool = shared_pool(self.use_graphs)
         self.pad_id = int(pad_id)
         self.stop = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=self.device)
         # Row buffers and graphs come with the first generate(), sized for its budget.
@@ -60,7 +62,7 @@ class BatchedRows:
         for span in spans_up_to(self.capacity):  # before any prefill: warm-ups write cache slots and state
             self.slot.zero_()
             self.step.zero_()
-            self.steps[span] = Replay(functools.partial(self._decode_step, span), self.use_graphs, self.capture_failures)
+            self.steps[span] = Replay(functools.partial(self._decode_step, span), self.use_graphs, self.capture_failures, self.graph_pool)
 
     def reserve(self, rows: int, slots: int, max_new: int) -> None:
         """Grow the row buffers and cache to hold `rows` rows, `slots` cache slots and `max_new` new tokens (recapturing

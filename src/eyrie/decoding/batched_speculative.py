@@ -315,7 +315,8 @@ class BatchedSpeculative:
             if pair not in self.rounds:
                 for t in state:
                     t.zero_()
-                self.rounds[pair] = Replay(functools.partial(self._round, k, *pair), self.engine.use_graphs, self.engine.capture_failures)
+                self.rounds[pair] = Replay(functools.partial(self._round, k, *pair), self.engine.use_graphs, self.engine.capture_failures,
+                                          self.engine.graph_pool)
 
     def _run(self, ids, slots, positions, visible, aux_layers):
         """(predicted (R, T), aux or None): the target over ids (R, T) written at cache slots `slots` (T,) at positions (R, T)."""

@@ -21,7 +21,8 @@ class Replay:
     decoder's list), so its label stops saying "cudagraph".
     """
 
-    def __init__(self, fn, use_graph: bool, failures: list[str]):
+    def __init__(self, fn, use_graph: bool, failures: list[str], pool=None):
+        """pool: a torch.cuda.graph_pool_handle() shared with other Replays (see shared_pool), or None for the graph's own."""
         self.fn, self.graph = fn, None
         if use_graph:
             side = torch.cuda.Stream()
@@ -33,7 +34,7 @@ class Replay:
             for attempt in range(CAPTURE_ATTEMPTS):
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with no_garbage_collection(), torch.cuda.graph(graph):
+                    with no_garbage_collection(), torch.cuda.graph(graph, pool=pool):
                         fn()
                     self.graph = graph
                     break
@@ -67,6 +68,22 @@ def no_garbage_collection():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def shared_pool(use_graphs: bool):
+    """One memory pool for graphs replayed one at a time whose results all land in buffers allocated outside any capture:
+    each graph's own allocations are then scratch the next replay may reuse, so the pool holds the largest graph's scratch,
+    not the sum of every graph's (a batched decoder's round graphs per setting and span pair at B = 64 on SmolLM2-135M
+    summed to over 60 GiB on an H100). None without graphs."""
+    return torch.cuda.graph_pool_handle() if use_graphs else None
+
+
+def release_graphs() -> None:
+    """Free the graphs and buffers of decoders no longer referenced (their replays' partials keep them in reference
+    cycles) and hand their memory back: between batch sizes, so that one B's graphs do not crowd out the next B's."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def cuda_graphs_usable(device: torch.device) -> bool:
