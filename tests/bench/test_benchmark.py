@@ -168,6 +168,23 @@ def test_timing_in_bfloat16_proves_losslessness_in_float32_on_the_same_prompts(t
     assert all("margin_at_divergence" in row for row in result["per_prompt"])
 
 
+def test_each_load_runs_on_an_engine_of_its_own_rows_and_is_proved_lossless_in_float32(tmp_path, model_dir, target, drafter):
+    from eyrie.target.model import template_fingerprint
+
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter", template_fingerprint(target[1]))
+    result = run_benchmark(
+        target_dir=model_dir, drafter_dir_or_model=drafter_dir, prompts=PROMPTS[1:], benchmark_name="local",
+        bench_cfg={**CFG, "max_new_tokens": 5, "min_acceptance_length": 1.0, "dtype": "bfloat16", "concurrency": [2, 1]},
+        out_path=tmp_path / "bench.json", device="cpu",
+    )
+    block = result["concurrency"]
+    assert block["off_reason"] is None and block["batches"] == [1, 2]
+    assert [(e["batch"], e["engine_rows"]) for e in block["per_batch"]] == [(1, 1), (2, 2)]  # no dummy rows timed
+    for entry in block["per_batch"]:
+        for row in entry["settings"]:  # timed in bf16, checked row by row against float32 batched greedy
+            assert row["float32_identical_rows"] == entry["batch"] and row["lossless"] is True
+
+
 def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):
     result = run_benchmark(
         target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[1:], benchmark_name="local",

@@ -29,9 +29,16 @@ def test_the_block_measures_each_batch_and_recommends(tmp_path):
     g = torch.Generator().manual_seed(0)
     encoded = [(f"p{i}", torch.randint(0, 5, (n,), generator=g).tolist()) for i, n in enumerate([4, 9, 6])]
     cfg = {"concurrency": [4, 1], "draft_tokens": 3, "max_new_tokens": 12, "ngram": True}
-    engine = open_batched_greedy(model, 0, set(), cuda_graphs=False)
-    block = concurrency_block(model, engine, drafter, encoded, cfg, set(), sweep=[TreeShape(2, 1, 3), TreeShape(2, 2, 4)])
+    opened = []
+
+    def open_engine(model, rows):
+        opened.append(rows)
+        return open_batched_greedy(model, 0, set(), rows=rows, cuda_graphs=False, row_step=1)
+
+    block = concurrency_block(model, open_engine, drafter, encoded, cfg, set(), sweep=[TreeShape(2, 1, 3), TreeShape(2, 2, 4)])
     assert block["batches"] == [1, 4] and block["off_reason"] is None
+    assert opened == [1, 4]  # an engine per load, of exactly B rows (no dummy rows computed beside B requests)
+    assert [entry["engine_rows"] for entry in block["per_batch"]] == [1, 4]
     assert block["settings"] == ["chain 3", "chain 2", "tree 2-2-4", "n-gram 3"]  # the sweep's chain and tree batched too
     for entry, batch in zip(block["per_batch"], [1, 4]):
         assert entry["batch"] == batch and entry["distinct_prompts"] == min(batch, 3)

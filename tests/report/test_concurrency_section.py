@@ -38,7 +38,7 @@ def concurrency_block() -> dict:
         winners = [r for r in rows if r["lossless"] and r["speedup"] > 1]
         best = max(winners, key=lambda r: r["tokens_per_s"], default=None)
         chain = max([r for r in winners if r["kind"] == "chain"], key=lambda r: r["tokens_per_s"], default=None)
-        per_batch.append({"batch": batch, "distinct_prompts": min(batch, 2), "greedy": {"tokens_per_s": greedy}, "settings": rows,
+        per_batch.append({"batch": batch, "engine_rows": batch, "distinct_prompts": min(batch, 2), "greedy": {"tokens_per_s": greedy}, "settings": rows,
                           "recommended": None if best is None else {k: best[k] for k in ("label", "kind", "draft_tokens", "speedup")},
                           "chain": None if chain is None else {k: chain[k] for k in ("label", "kind", "draft_tokens", "speedup")},
                           "recommendation": NO_SPECULATION if best is None else best["label"], "sglang_flags": sglang_flags(best)})
@@ -87,6 +87,14 @@ def test_a_concurrency_block_renders_its_plot_recommendations_and_flags(tmp_path
     assert warnings == ["mtbench: at B = 16, chain 2 differs from batched greedy on 1 of 16 rows; speculative decoding must be lossless"]
     curves = {c["label"]: [p["speedup"] for p in c["points"]] for c in figures["bench"]["rows"][0]["concurrency"]["curves"]}
     assert curves == {label: [settings[label][0] for _, _, settings in MEASURED] for label in ("chain 4", "chain 2", "n-gram 4")}
+
+
+def test_a_load_timed_on_more_rows_than_its_requests_is_a_warning(tmp_path):
+    block = concurrency_block()
+    block["per_batch"][0]["engine_rows"] = 64  # B = 1 decoded beside 63 dummy rows: 64 rows' work, not one request's
+    _, figures = report(tmp_path, concurrency=block)
+    warnings = [w["text"] for w in figures["warnings"] if w["section"] == "bench"]
+    assert "mtbench: B = 1 was timed on an engine of 64 rows, not 1: its figures are those of 64 rows' work" in warnings
 
 
 def test_no_chain_anywhere_shows_no_schedule(tmp_path):

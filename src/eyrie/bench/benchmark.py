@@ -515,10 +515,13 @@ def _concurrency(bench: _Bench) -> dict:
     if bench.decoder == "transformers":
         return {"batches": sorted(set(cfg["concurrency"])), "off_reason": f"no static engine: {bench.fallback}", "per_batch": []}
     pad_id = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else min(bench.stop_ids)
+
+    def open_engine(model, rows: int):
+        # Exactly B rows per load; greedy steps and speculative rounds alike as CUDA graphs on a GPU (eager on a CPU).
+        return open_batched_greedy(model, pad_id, bench.stop_ids, rows=rows, row_step=1)
+
     with bench.phases(f"concurrency (B = {', '.join(map(str, sorted(set(cfg['concurrency']))))})"):
-        # Greedy steps and speculative rounds alike as CUDA graphs per batch width on a GPU (eager on a CPU).
-        engine = open_batched_greedy(bench.model, pad_id, bench.stop_ids, rows=max(cfg["concurrency"]))
-        return concurrency_block(bench.model, engine, bench.drafter, bench.encoded, cfg, bench.stop_ids, bench.sweep,
+        return concurrency_block(bench.model, open_engine, bench.drafter, bench.encoded, cfg, bench.stop_ids, bench.sweep,
                                  bench.drafter_dir if bench.drafter_dir is not None else None)
 
 

@@ -103,13 +103,11 @@ def measure_batch(engine, drafter, settings: list[dict], prompts, max_new_tokens
     return greedy, rows
 
 
-def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids, pad_id: int) -> list[int]:
+def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids, open_engine) -> list[int]:
     """Per setting: rows whose float32 tokens equal float32 batched greedy's (a float32 copy of the target and drafter)."""
-    from eyrie.decoding.batched_greedy import open_batched_greedy
-
     model32, drafter32 = copy.deepcopy(model).float(), copy.deepcopy(drafter).float()
     # Graphed on a GPU as the timed decodes are: eagerly, launch-bound float32 rounds made this check most of the block.
-    engine = open_batched_greedy(model32, pad_id, stop_ids, rows=len(prompts))
+    engine = open_engine(model32, len(prompts))
     greedy, _ = _greedy(engine, prompts, max_new_tokens, stop_ids)
     decoders = decoders_for(engine, drafter32, settings, prompts, max_new_tokens)
     return [sum(a == b for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["steps"]).tokens, greedy))
@@ -178,9 +176,10 @@ def sglang_adaptive_flags(adaptive: dict | None, config_path: str = ADAPTIVE_CON
                        "--speculative-adaptive", "--speculative-adaptive-config", str(config_path)])
 
 
-def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, sweep: list = (), drafter_dir=None) -> dict:
-    """The `concurrency` block: {batches, settings, per_batch [{batch, distinct_prompts, greedy, settings, recommended,
-    chain, sglang_flags}], vllm_schedule, vllm_flags, off_reason}. engine: a BatchedRows on `model` (open_batched_greedy)."""
+def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids, sweep: list = (), drafter_dir=None) -> dict:
+    """The `concurrency` block: {batches, settings, per_batch [{batch, engine_rows, distinct_prompts, greedy, settings,
+    recommended, chain, sglang_flags}], vllm_schedule, vllm_flags, off_reason}. open_engine(model, rows): a BatchedRows of
+    exactly `rows` rows on `model` (open_batched_greedy with row_step 1), opened per load: B requests compute B rows."""
     import torch
 
     batches = sorted(set(cfg.get("concurrency") or []))
@@ -192,15 +191,21 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
         return block
     settings = settings_of(cfg["draft_tokens"], sweep, cfg.get("ngram", True))
     block["settings"] = [s["label"] for s in settings]
+    capture_failures = []
     for batch in batches:
         prompts = batch_prompts(encoded, batch)
         started = time.perf_counter()
+        engine = open_engine(model, batch)
         greedy, rows = measure_batch(engine, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids)
+        engine_rows = engine.rows
+        capture_failures += engine.capture_failures
+        del engine
+        release_graphs()  # this load's engine and decoders, before the float32 copies load
         measured = time.perf_counter()
         if model.dtype == torch.float32:
             identical = [r["identical_rows"] for r in rows]
         else:
-            identical = float32_identical(model, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids, engine.pad_id)
+            identical = float32_identical(model, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids, open_engine)
         print(f"concurrency B = {batch}: greedy {greedy['tokens_per_s']:.0f} tok/s; "
               + ", ".join(f"{r['label']} {r['speedup']:.2f}x" for r in rows)
               + f"; measured in {measured - started:.1f} s, float32 check {time.perf_counter() - measured:.1f} s", flush=True)
@@ -210,12 +215,12 @@ def concurrency_block(model, engine, drafter, encoded, cfg: dict, stop_ids, swee
             row["float32_identical_rows"] = same
         best, chain = recommend(rows), recommend([r for r in rows if r["kind"] == "chain"])
         keys = ("label", "kind", "draft_tokens", "steps", "topk", "speedup")
-        block["per_batch"].append({"batch": batch, "distinct_prompts": min(batch, len(encoded)), "greedy": greedy, "settings": rows,
+        block["per_batch"].append({"batch": batch, "engine_rows": engine_rows, "distinct_prompts": min(batch, len(encoded)), "greedy": greedy, "settings": rows,
                                    "recommended": None if best is None else {k: best[k] for k in keys},
                                    "chain": None if chain is None else {k: chain[k] for k in keys},  # the schedules' chain at this load
                                    "recommendation": NO_SPECULATION if best is None else best["label"],
                                    "sglang_flags": sglang_flags(best)})
-    block["capture_failures"] = list(dict.fromkeys(engine.capture_failures))  # steps or rounds that ran eagerly, and why
+    block["capture_failures"] = list(dict.fromkeys(capture_failures))  # steps or rounds that ran eagerly, and why
     block["vllm_schedule"] = vllm_schedule(block["per_batch"])
     block["vllm_flags"] = vllm_flags(block["vllm_schedule"], drafter_dir or "<drafter>")
     block["sglang_adaptive_config"] = sglang_adaptive_config(block["per_batch"])

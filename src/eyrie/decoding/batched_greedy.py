@@ -37,8 +37,11 @@ class BatchedRows:
     Mixed into a static engine (StaticLlama or StaticModules): the rows, masks and loop are these, the forward the engine's.
     """
 
-    def __init__(self, model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None):
-        self.rows, self.max_new, self.steps = round_up(rows, ROW_STEP), 0, {}
+    def __init__(self, model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None,
+                 row_step: int = ROW_STEP):
+        # row_step 1: exactly the rows asked for (a benchmark of B requests computes B rows, not B rounded up).
+        self.row_step = row_step
+        self.rows, self.max_new, self.steps = round_up(rows, row_step), 0, {}
         super().__init__(model, capacity, cuda_graphs)
         # The greedy steps and every BatchedSpeculative round on this engine: all write only preallocated buffers.
         self.graph_pool = shared_pool(self.use_graphs)
@@ -50,7 +53,7 @@ class BatchedRows:
     def _allocate(self, rows: int, capacity: int, max_new: int) -> None:
         """Cache and row buffers for this many rows, slots and new tokens; graphs point at old buffers, so they go."""
         self.steps = {}
-        self.rows, self.max_new, self.capacity = round_up(rows, ROW_STEP), max_new, 0
+        self.rows, self.max_new, self.capacity = round_up(rows, self.row_step), max_new, 0
         self.ensure_capacity(capacity)
         device = self.device
         self.next_ids = torch.zeros(self.rows, 1, dtype=torch.long, device=device)  # each row's last token
@@ -152,7 +155,8 @@ class BatchedModules(BatchedRows, StaticModules):
     """BatchedRows on the target's own decoder layers (eyrie.decoding.static_modules)."""
 
 
-def open_batched_greedy(model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None) -> BatchedRows:
+def open_batched_greedy(model, pad_id: int, stop_ids, rows: int = ROW_STEP, capacity: int = 512, cuda_graphs: bool | None = None,
+                        row_step: int = ROW_STEP) -> BatchedRows:
     """The batched greedy loop on the fastest static engine for `model` (eyrie.decoding.static.open_engine's choice)."""
     engine = BatchedGreedy if llama_reason(model) is None else BatchedModules
-    return engine(model, pad_id, stop_ids, rows=rows, capacity=capacity, cuda_graphs=cuda_graphs)
+    return engine(model, pad_id, stop_ids, rows=rows, capacity=capacity, cuda_graphs=cuda_graphs, row_step=row_step)

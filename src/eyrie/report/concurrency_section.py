@@ -5,7 +5,8 @@ Absent from JSONs written before the block existed (None: the page shows nothing
 bench.concurrency is empty. Per B: greedy's tokens/s, each setting's speedup over batched greedy and losslessness,
 and the recommended setting with its SGLang flags; for the whole run vLLM's batch-aware --speculative-config and
 SGLang's adaptive tiers (the JSON the user writes to the file its flags name), when a chain is recommended anywhere.
-A setting that is not lossless at some B is a warning, as at batch 1.
+A setting that is not lossless at some B is a warning, as at batch 1; so is a load timed on an engine of more rows than
+B requests (its figures would be those of the larger batch's work).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def concurrency_figures(data: Any, name: str, warnings: list) -> dict[str, Any] 
                 warn(warnings, "bench", f"{name}: at B = {entry['batch']}, {label} differs from batched greedy on "
                                         f"{row.get('rows', 0) - (row.get('float32_identical_rows') or 0)} of {row.get('rows')} rows; "
                                         "speculative decoding must be lossless")
+        if isinstance(entry.get("engine_rows"), int) and entry["engine_rows"] != entry["batch"]:
+            warn(warnings, "bench", f"{name}: B = {entry['batch']} was timed on an engine of {entry['engine_rows']} rows, not "
+                                    f"{entry['batch']}: its figures are those of {entry['engine_rows']} rows' work")
         best = entry.get("recommended") if isinstance(entry.get("recommended"), dict) else None
         greedy = entry.get("greedy") if isinstance(entry.get("greedy"), dict) else {}
         figures["per_batch"].append({"batch": entry["batch"], "distinct_prompts": entry.get("distinct_prompts"),
