@@ -105,6 +105,10 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median reported), after one warm-up")
     parser.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 bf16 matmul (default 8192; 256 with --small)")
     parser.add_argument("--tmpdir", default=None, help="where the shard and caches are written (default: the system temp dir)")
+    parser.add_argument("--compile", action="store_true", help="after the eager variants: each decoder layer through torch.compile "
+                        "(inductor, dynamic shapes), then forward_last_only and extract_bf16 at the last --batch-tokens again (+compiled)")
+    parser.add_argument("--profile", action="store_true", help="after timing: where one forward_last_only and one extract_bf16 run at "
+                        "the last --batch-tokens spend their GPU time (matrix products, attention, copies, the rest) against wall time (CUDA)")
     tp = parser.add_argument_group("--tensor-parallel N (see above)")
     tp.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="extraction over N ranks (GPUs) against one, in phases")
     tp.add_argument("--phases", nargs="+", choices=["8b", "70b"], default=["8b", "70b"])
@@ -318,7 +322,17 @@ def main() -> int:
             variants.append((f"forward_last_only@{bt}", lambda bt=bt: (forward_only(model, lengths, bt, device, False), None, None)))
             variants.append((f"extract_bf16@{bt}", lambda bt=bt: extract_run(model, shard, workdir, bt, "bfloat16", aux_ids)))
         variants.append((f"extract_fp8@{batch_sizes[-1]}", lambda: extract_run(model, shard, workdir, batch_sizes[-1], "float8_e4m3fn", aux_ids)))
+        if args.compile:  # compiled in place (Module.compile): the extraction below runs the compiled layers too
+            bt = batch_sizes[-1]
+            variants.append(("compile", lambda: (compile_layers(model), None, None)))
+            variants.append((f"forward_last_only+compiled@{bt}", lambda bt=bt: (forward_only(model, lengths, bt, device, False), None, None)))
+            variants.append((f"extract_bf16+compiled@{bt}", lambda bt=bt: extract_run(model, shard, workdir, bt, "bfloat16", aux_ids)))
         for name, make in variants:
+            if name == "compile":
+                started = time.perf_counter()
+                make()
+                figures["compile_seconds"] = time.perf_counter() - started
+                continue
             try:
                 run, result, out = make()
                 seconds, times = median_seconds(run, device, args.repeats)
@@ -338,12 +352,62 @@ def main() -> int:
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if args.profile and device.type == "cuda":
+            bt, compiled = batch_sizes[-1], "+compiled" if args.compile else ""  # the layers as the last variants left them
+            figures["profile"] = {
+                f"forward_last_only{compiled}@{bt}": profile_run(forward_only(model, lengths, bt, device, False), figures.get("matmul_flops"), params, tokens),
+                f"extract_bf16{compiled}@{bt}": profile_run(extract_run(model, shard, workdir, bt, "bfloat16", aux_ids)[0], figures.get("matmul_flops"), params, tokens),
+            }
+            for name, entry in figures["profile"].items():
+                print(f"profile {name}: wall {entry['wall_s']:.3f} s, GPU busy {entry['busy_s']:.3f} s; "
+                      + ", ".join(f"{k} {v:.3f} s" for k, v in entry["by_kind_s"].items())
+                      + f"; matrix products at {entry['matmul_share_of_peak']:.1%} of the measured matmul rate while they run", flush=True)
+                for kernel, seconds in entry["top_kernels"][:8]:
+                    print(f"    {seconds:8.4f} s  {kernel}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     Path(args.out).write_text(json.dumps(figures, indent=2))
     print_table(figures, batch_sizes)
     return 0
+
+
+def compile_layers(model) -> None:
+    """Each decoder layer compiled in place with dynamic shapes (batches differ in length); compiles on first use."""
+    for layer in _base_model(model).layers:
+        layer.compile(dynamic=True)
+
+
+KERNEL_KINDS = (  # kernel name patterns, first match wins
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
+    ("copies", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def profile_run(run, matmul_flops: float | None, params: float, tokens: int) -> dict:
+    """One run under torch.profiler: its wall time, the GPU's busy time by kind of kernel, the costliest kernels, and
+    the rate the matrix products reach while they run (2 x params x tokens FLOPs over their own time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:  # kernels not listed as device events: host ops that launch none directly carry no device time
+        kernels = [e for e in averages if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
+    by_kernel = {e.key: e.self_device_time_total / 1e6 for e in kernels}
+    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, seconds in by_kernel.items():
+        by_kind[next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")] += seconds
+    matmul_rate = 2 * params * tokens / by_kind["matmul"] if by_kind["matmul"] else 0.0
+    return {"wall_s": wall, "busy_s": sum(by_kind.values()), "by_kind_s": by_kind,
+            "matmul_share_of_peak": matmul_rate / matmul_flops if matmul_flops else 0.0,
+            "top_kernels": sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]}
 
 
 def print_table(figures: dict, batch_sizes: list[int]) -> None:
