@@ -105,8 +105,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median reported), after one warm-up")
     parser.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 bf16 matmul (default 8192; 256 with --small)")
     parser.add_argument("--tmpdir", default=None, help="where the shard and caches are written (default: the system temp dir)")
-    parser.add_argument("--compile", action="store_true", help="after the eager variants: each decoder layer through torch.compile "
-                        "(inductor, dynamic shapes), then forward_last_only and extract_bf16 at the last --batch-tokens again (+compiled)")
+    parser.add_argument("--compile", action="store_true", help="after the eager variants (hidden.compile false): extract_bf16 with "
+                        "hidden.compile true (each decoder layer compiled in place), then forward_last_only on those layers, at the last --batch-tokens (+compiled)")
     parser.add_argument("--profile", action="store_true", help="after timing: where one forward_last_only and one extract_bf16 run at "
                         "the last --batch-tokens spend their GPU time (matrix products, attention, copies, the rest) against wall time (CUDA)")
     tp = parser.add_argument_group("--tensor-parallel N (see above)")
@@ -253,7 +253,7 @@ def forward_only(model, lengths: list[int], batch_tokens: int, device: torch.dev
     return run
 
 
-def extract_run(model, shard: Path, workdir: Path, batch_tokens: int, dtype: str, aux_ids: list[int]):
+def extract_run(model, shard: Path, workdir: Path, batch_tokens: int, dtype: str, aux_ids: list[int], compile: bool = False):
     out = workdir / f"cache-{dtype}-{batch_tokens}.safetensors"
     result = {}
 
@@ -261,7 +261,7 @@ def extract_run(model, shard: Path, workdir: Path, batch_tokens: int, dtype: str
         out.unlink(missing_ok=True)  # each run writes a fresh file, as the pipeline does
         result["manifest"] = extract_shard(
             tokens_path=str(shard), out_path=str(out), model=model, model_fingerprint="synthetic",
-            template_sha256=TEMPLATE, aux_layer_ids=aux_ids, batch_tokens=batch_tokens, dtype=dtype, progress=False,
+            template_sha256=TEMPLATE, aux_layer_ids=aux_ids, batch_tokens=batch_tokens, dtype=dtype, compile=compile, progress=False,
         )
 
     return run, result, out
@@ -322,17 +322,11 @@ def main() -> int:
             variants.append((f"forward_last_only@{bt}", lambda bt=bt: (forward_only(model, lengths, bt, device, False), None, None)))
             variants.append((f"extract_bf16@{bt}", lambda bt=bt: extract_run(model, shard, workdir, bt, "bfloat16", aux_ids)))
         variants.append((f"extract_fp8@{batch_sizes[-1]}", lambda: extract_run(model, shard, workdir, batch_sizes[-1], "float8_e4m3fn", aux_ids)))
-        if args.compile:  # compiled in place (Module.compile): the extraction below runs the compiled layers too
+        if args.compile:  # hidden.compile: the product compiles the layers in place (in its warm-up), the bare forward then runs them
             bt = batch_sizes[-1]
-            variants.append(("compile", lambda: (compile_layers(model), None, None)))
+            variants.append((f"extract_bf16+compiled@{bt}", lambda bt=bt: extract_run(model, shard, workdir, bt, "bfloat16", aux_ids, compile=True)))
             variants.append((f"forward_last_only+compiled@{bt}", lambda bt=bt: (forward_only(model, lengths, bt, device, False), None, None)))
-            variants.append((f"extract_bf16+compiled@{bt}", lambda bt=bt: extract_run(model, shard, workdir, bt, "bfloat16", aux_ids)))
         for name, make in variants:
-            if name == "compile":
-                started = time.perf_counter()
-                make()
-                figures["compile_seconds"] = time.perf_counter() - started
-                continue
             try:
                 run, result, out = make()
                 seconds, times = median_seconds(run, device, args.repeats)
@@ -356,7 +350,7 @@ def main() -> int:
             bt, compiled = batch_sizes[-1], "+compiled" if args.compile else ""  # the layers as the last variants left them
             figures["profile"] = {
                 f"forward_last_only{compiled}@{bt}": profile_run(forward_only(model, lengths, bt, device, False), figures.get("matmul_flops"), params, tokens),
-                f"extract_bf16{compiled}@{bt}": profile_run(extract_run(model, shard, workdir, bt, "bfloat16", aux_ids)[0], figures.get("matmul_flops"), params, tokens),
+                f"extract_bf16{compiled}@{bt}": profile_run(extract_run(model, shard, workdir, bt, "bfloat16", aux_ids, compile=args.compile)[0], figures.get("matmul_flops"), params, tokens),
             }
             for name, entry in figures["profile"].items():
                 print(f"profile {name}: wall {entry['wall_s']:.3f} s, GPU busy {entry['busy_s']:.3f} s; "
@@ -370,12 +364,6 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(figures, indent=2))
     print_table(figures, batch_sizes)
     return 0
-
-
-def compile_layers(model) -> None:
-    """Each decoder layer compiled in place with dynamic shapes (batches differ in length); compiles on first use."""
-    for layer in _base_model(model).layers:
-        layer.compile(dynamic=True)
 
 
 KERNEL_KINDS = (  # kernel name patterns, first match wins

@@ -18,9 +18,10 @@ if config["hidden"]["mode"] != "online":
         params:
             max_seq_len=config["tokenize"]["max_seq_len"],
             aux_layer_ids=config["drafter"]["aux_layer_ids"],
-            # keep says whether the cache stays and tensor_parallel how many processes compute it, not what is in it:
-            # switching either must not re-extract (the script reads tensor_parallel from the config).
-            hidden=canonical({k: v for k, v in config["hidden"].items() if k not in ("keep", "tensor_parallel")}),
+            # keep says whether the cache stays, tensor_parallel how many processes compute it and compile whether the
+            # target's layers run compiled, not what is in it (compiled or not, the same states up to rounding):
+            # switching any of them must not re-extract (the script reads tensor_parallel and compile from the config).
+            hidden=canonical({k: v for k, v in config["hidden"].items() if k not in ("keep", "tensor_parallel", "compile")}),
             model=canonical({k: config["model"][k] for k in ("dtype", "device", "trust_remote_code")}),
         # On a GPU the forward is a small share of a job (model load, writing the cache): a few cores per GPU let
         # shards overlap on one card (`--resources gpu=N` caps how many); on the CPU a shard takes every core.

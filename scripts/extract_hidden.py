@@ -39,6 +39,8 @@ with job_log(snakemake.log[0]):
         template_sha256=template_sha256,
         batch_tokens=snakemake.params.hidden["batch_tokens"],
         dtype=snakemake.params.hidden["dtype"],
+        # Like tensor_parallel, read from the config: compiled or eager, the states are the same up to rounding.
+        compile=snakemake.config["hidden"].get("compile", "auto"),
     )
     # How many ranks run it, not what they compute: read from the config, so changing it re-extracts nothing.
     processes = int(snakemake.config["hidden"]["tensor_parallel"])

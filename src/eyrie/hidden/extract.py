@@ -6,6 +6,10 @@ layers' outputs); only real tokens leave the device, and a background thread wri
 rows straight to their place in the file while the next batch runs. The file's layout, its
 manifest and its readers belong to eyrie.hidden.cache.
 
+With hidden.compile (auto: on CUDA) each of the target's decoder layers runs through torch.compile, which
+fuses the elementwise work between its matrix products; a compile failure leaves extraction eager, with a
+warning, and the manifest says which ran (compiled).
+
 With hidden.tensor_parallel N the job runs this module as N torchrun ranks (`python -m
 eyrie.hidden.extract ARGS.json`, launched by eyrie.hidden.parallel): every rank runs the same batches
 on its part of the target, and rank 0 alone writes, the same file one process writes.
@@ -19,6 +23,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +167,7 @@ def extract_shard(
     aux_layer_ids,
     batch_tokens: int,
     dtype: str = "bfloat16",
+    compile: bool | str = "auto",
     progress: bool = True,
     writes: bool = True,
 ) -> dict:
@@ -171,10 +177,13 @@ def extract_shard(
     (aux_scale [T, 3], final_scale [T, 1], see eyrie.hidden.fp8); load_hidden and the trainer dequantize.
     writes False: a tensor-parallel rank other than 0, which runs the same forwards (its share of each
     matrix product, joined by all-reduces) and keeps nothing.
+    compile: hidden.compile, auto, True or False (see compile_layers).
     """
     shard = _read_shard(tokens_path, template_sha256, batch_tokens)
     compute_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     manifest = _shard_manifest(shard, text_config(model), aux_layer_ids, model_fingerprint, template_sha256, dtype, compute_dtype)
+    if shard.batches:  # settled before the file's header, which holds the manifest, is written
+        manifest["compiled"] = compile_layers(model, manifest["capture_indices"], compile, _first_batch(shard))
     if not writes:
         _run_forwards(model, shard, manifest)
         return manifest
@@ -209,6 +218,7 @@ def _shard_manifest(shard: _Shard, config, aux_layer_ids, model_fingerprint: str
         "template_sha256": template_sha256,
         "dtype": dtype_name,
         "compute_dtype": compute_dtype,
+        "compiled": False,  # whether the target's decoder layers ran through torch.compile (hidden.compile)
         "samples": len(shard.sample_ids),
         "tokens": shard.tokens,
         "assistant_tokens": int(shard.loss_mask.sum(dtype=np.int64)),
@@ -217,6 +227,94 @@ def _shard_manifest(shard: _Shard, config, aux_layer_ids, model_fingerprint: str
     if is_fp8(dtype_name):
         manifest["scales"] = FP8_SCALES_NOTE
     return manifest
+
+
+_COMPILED_MARK = "_eyrie_layers_compiled"  # on a model: True once its layers ran compiled, else why compiling failed
+
+
+def compile_layers(model, capture: list[int], setting: bool | str, first_batch: tuple) -> bool:
+    """hidden.compile: whether the target's decoder layers run compiled for this extraction.
+
+    Each layer is compiled in place (Module.compile: a capture hook runs inside the compiled call) once per model. The shard's
+    first batch (ids, keep) runs through them here, its states dropped: a failure (no C++ compiler for
+    inductor's CPU code, an op it cannot trace) then shows before the manifest is written, and inductor
+    picks its kernels' configs for the sizes extraction runs (the largest batch comes first). On a failure
+    the layers go back to eager with a warning, and this model is not compiled again. Off on a
+    tensor-parallel target (its layers' products are split over the ranks).
+    """
+    import torch
+
+    target = TargetStates(model, capture, HiddenCacheError)
+    device = next(model.parameters()).device
+    mark = getattr(model, _COMPILED_MARK, None)
+    if not _compiles(setting, device):
+        if mark is True:  # compiled by an earlier extraction with the setting on
+            _run_eagerly(target.layers)
+            delattr(model, _COMPILED_MARK)
+        return False
+    if mark is not None:
+        return mark is True
+    if target.layers is None:
+        return _stay_eager(model, [], "the target exposes no decoder layers as base_model.layers")
+    try:
+        _compile_each(target.layers)
+        _first_forward(target, *first_batch, device)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- dynamo and inductor raise many types; any of them means: run eagerly
+        return _stay_eager(model, target.layers, f"{type(exc).__name__}: {exc}".strip()[:2000])
+    setattr(model, _COMPILED_MARK, True)
+    return True
+
+
+def _compiles(setting, device) -> bool:
+    """hidden.compile settled: auto compiles on CUDA only (inductor's CPU code needs a C++ compiler and tens of seconds)."""
+    if setting not in ("auto", True, False):
+        raise HiddenCacheError(f"hidden.compile must be auto, true or false, got {setting!r}")
+    return (setting is True or (setting == "auto" and device.type == "cuda")) and not _tensor_parallel()
+
+
+def _stay_eager(model, layers, why: str) -> bool:
+    """The layers eager for good on this model, with a warning that says why; False: not compiled."""
+    _run_eagerly(layers)
+    setattr(model, _COMPILED_MARK, why)
+    warnings.warn(f"hidden.compile: the target's decoder layers could not be compiled, extraction goes on eagerly "
+                  f"(the same states at eager speed; the manifest says compiled false): {why}", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _tensor_parallel() -> bool:
+    """Whether this process is one of several ranks sharing the target (hidden.tensor_parallel)."""
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _compile_each(layers) -> None:
+    """Each layer compiled in place; dynamic shapes, as batches differ in length (inductor compiles at the first call)."""
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
+def _run_eagerly(layers) -> None:
+    for layer in layers:
+        layer._compiled_call_impl = None  # the slot Module.compile fills: the layer's own forward again
+
+
+def _first_batch(shard: _Shard) -> tuple:
+    """(ids, keep) of the shard's first batch, on the host."""
+    import torch
+
+    x, keep, _ = _batch_inputs(shard.batches[0], shard.lengths, shard.offsets, torch.from_numpy(shard.input_ids))
+    return x, keep
+
+
+def _first_forward(target: TargetStates, ids, keep, device) -> None:
+    """One batch through the compiled layers as _run_forwards runs it (the first call compiles); its states are dropped."""
+    import torch
+
+    with torch.inference_mode(), target:
+        target.states(_to_device(ids, device), _to_device(keep, device))
 
 
 def _run_forwards(model, shard: _Shard, manifest: dict, on_batch=None) -> None:
@@ -229,10 +327,25 @@ def _run_forwards(model, shard: _Shard, manifest: dict, on_batch=None) -> None:
         for batch in shard.batches:
             x, keep, placements = _batch_inputs(batch, shard.lengths, shard.offsets, ids_t)
             # Only the real tokens leave the device (eyrie.target.states: right padding, no attention mask).
-            aux, final = target.states(_to_device(x, device), _to_device(keep, device))  # (n, 3H), (n, H)
+            aux, final = _batch_states(target, _to_device(x, device), _to_device(keep, device), manifest["compiled"])  # (n, 3H), (n, H)
             if on_batch is not None:
                 on_batch(batch, aux, final, placements)
             del aux, final
+
+
+def _batch_states(target: TargetStates, x, keep, compiled: bool):
+    """target.states; a compiled layer that fails on a later batch (a recompile for a new shape) says how to go on."""
+    import torch
+
+    try:
+        return target.states(x, keep)
+    except (torch.OutOfMemoryError, HiddenCacheError):
+        raise
+    except Exception as exc:
+        if not compiled:
+            raise
+        raise HiddenCacheError(f"the target's compiled decoder layers failed on a batch of {x.shape[0]} x {x.shape[1]} tokens "
+                               f"({type(exc).__name__}: {exc}); hidden.compile: false extracts eagerly") from exc
 
 
 def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict, model, progress: bool) -> None:
@@ -328,9 +441,10 @@ def extract_target_shard(
 
 
 def _extract_without_target(shard: _Shard, model_dir, model_cfg: dict, aux_layer_ids, tensor_parallel: int, progress: bool, *, tokens_path: str,
-                            out_path: str, model_fingerprint: str, template_sha256: str, batch_tokens: int, dtype: str = "bfloat16") -> dict | None:
+                            out_path: str, model_fingerprint: str, template_sha256: str, batch_tokens: int, dtype: str = "bfloat16",
+                            compile: bool | str = "auto") -> dict | None:
     """extract_shard's file for a shard without tokens, from the target's config alone: the compute dtype is the one
-    load_model would give it. Under torchrun only rank 0 (RANK) writes."""
+    load_model would give it, and nothing is compiled (no forward runs). Under torchrun only rank 0 (RANK) writes."""
     import os
 
     from transformers import AutoConfig
