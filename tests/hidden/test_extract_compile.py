@@ -189,3 +189,13 @@ def test_a_compiled_layer_failing_on_a_later_batch_stops_extraction_naming_the_s
                                                r"hidden.compile: false extracts eagerly"):
         extract(tiny_llama(**SHAPE), tokens, tmp_path / "cache.safetensors", compile=True)
     assert len(compiles) == 2 and not (tmp_path / "cache.safetensors").exists()
+
+
+def test_auto_compiles_on_cuda_only_a_shard_big_enough_to_repay_the_compile(monkeypatch):
+    monkeypatch.setattr(extract_module, "_tensor_parallel", lambda: False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    small = 2 * 135e6 * 1e6  # SmolLM2-135M, a million tokens
+    large = 2 * 7e9 * 8e6  # an 8B target's decoder, eight million tokens
+    assert not extract_module._compiles("auto", cuda, small) and extract_module._compiles("auto", cuda, large)
+    assert not extract_module._compiles("auto", cpu, large)
+    assert extract_module._compiles(True, cpu, small) and not extract_module._compiles(False, cuda, large)

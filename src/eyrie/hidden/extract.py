@@ -183,7 +183,7 @@ def extract_shard(
     compute_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     manifest = _shard_manifest(shard, text_config(model), aux_layer_ids, model_fingerprint, template_sha256, dtype, compute_dtype)
     if shard.batches:  # settled before the file's header, which holds the manifest, is written
-        manifest["compiled"] = compile_layers(model, manifest["capture_indices"], compile, _first_batch(shard))
+        manifest["compiled"] = compile_layers(model, manifest["capture_indices"], compile, _first_batch(shard), shard.tokens)
     if not writes:
         _run_forwards(model, shard, manifest)
         return manifest
@@ -232,7 +232,7 @@ def _shard_manifest(shard: _Shard, config, aux_layer_ids, model_fingerprint: str
 _COMPILED_MARK = "_eyrie_layers_compiled"  # on a model: True once its layers ran compiled, else why compiling failed
 
 
-def compile_layers(model, capture: list[int], setting: bool | str, first_batch: tuple) -> bool:
+def compile_layers(model, capture: list[int], setting: bool | str, first_batch: tuple, tokens: int = 0) -> bool:
     """hidden.compile: whether the target's decoder layers run compiled for this extraction.
 
     Each layer is compiled in place (Module.compile: a capture hook runs inside the compiled call) once per model. The shard's
@@ -247,7 +247,7 @@ def compile_layers(model, capture: list[int], setting: bool | str, first_batch: 
     target = TargetStates(model, capture, HiddenCacheError)
     device = next(model.parameters()).device
     mark = getattr(model, _COMPILED_MARK, None)
-    if not _compiles(setting, device):
+    if not _compiles(setting, device, 2 * _decoder_parameters(target.layers) * tokens):
         if mark is True:  # compiled by an earlier extraction with the setting on
             _run_eagerly(target.layers)
             delattr(model, _COMPILED_MARK)
@@ -267,11 +267,23 @@ def compile_layers(model, capture: list[int], setting: bool | str, first_batch: 
     return True
 
 
-def _compiles(setting, device) -> bool:
-    """hidden.compile settled: auto compiles on CUDA only (inductor's CPU code needs a C++ compiler and tens of seconds)."""
+# auto compiles a shard whose forward takes at least this many FLOPs (2 x decoder parameters x tokens): ~4 minutes eager
+# at the 8B shape on an H100, of which compiling saves ~20% against the tens of seconds it costs once per job. A small
+# target's shards (SmolLM2-135M: seconds each) stay eager.
+AUTO_COMPILE_FLOPS = 1e17
+
+
+def _compiles(setting, device, forward_flops: float) -> bool:
+    """hidden.compile settled: auto compiles on CUDA only (inductor's CPU code needs a C++ compiler and tens of seconds),
+    and only a shard big enough to repay the compile (AUTO_COMPILE_FLOPS)."""
     if setting not in ("auto", True, False):
         raise HiddenCacheError(f"hidden.compile must be auto, true or false, got {setting!r}")
-    return (setting is True or (setting == "auto" and device.type == "cuda")) and not _tensor_parallel()
+    auto = setting == "auto" and device.type == "cuda" and forward_flops >= AUTO_COMPILE_FLOPS
+    return (setting is True or auto) and not _tensor_parallel()
+
+
+def _decoder_parameters(layers) -> int:
+    return sum(p.numel() for layer in layers or [] for p in layer.parameters())
 
 
 def _stay_eager(model, layers, why: str) -> bool:
