@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -42,7 +43,7 @@ DIGEST_KEY = "eyrie_digest"
 FILES_KEY = "files"  # under a JSON object's "eyrie" block: {file name: digest} of sibling files without a field of their own
 SHA256, XXH3_128 = "sha256", "xxh3-128"
 _HEX_DIGITS = {SHA256: 64, XXH3_128: 32}
-_CHUNK = 16 << 20  # bytes per read while hashing a file
+_CHUNK = 16 << 20  # bytes per hasher update while hashing a file
 KINDS = ("safetensors", "parquet", "json")
 
 
@@ -89,16 +90,9 @@ def _algorithm_of(value: str) -> str:
     return algorithm
 
 
-def _update_from_file(hasher, handle, count: int | None, buffer: bytearray) -> None:
-    """Hash the next `count` bytes of handle (all that is left when None)."""
-    view = memoryview(buffer)
-    while count is None or count > 0:
-        n = handle.readinto(buffer if count is None or count >= len(buffer) else view[:count])
-        if not n:
-            return
-        hasher.update(view[:n])
-        if count is not None:
-            count -= n
+def _update_in_chunks(hasher, view: memoryview) -> None:
+    for start in range(0, len(view), _CHUNK):
+        hasher.update(view[start : start + _CHUNK])
 
 
 def _hash(source: str | Path | bytes, algorithm: str, at: int | None = None) -> str:
@@ -113,13 +107,23 @@ def _hash(source: str | Path | bytes, algorithm: str, at: int | None = None) -> 
             hasher.update(hole)
             hasher.update(view[at + len(hole) :])
     else:
-        buffer = bytearray(_CHUNK)
-        with open(source, "rb", buffering=0) as handle:
-            if at is not None:
-                _update_from_file(hasher, handle, at, buffer)
-                hasher.update(hole)
-                handle.seek(at + len(hole))
-            _update_from_file(hasher, handle, None, buffer)
+        # Mapped rather than read into a buffer: one copy fewer, ~1.7x the hash rate of a cached multi-GB cache shard
+        # (7.0 against 4.0 GB/s on the 2-core machine, 2 GB in /dev/shm), which sealing and every check pay once.
+        with open(source, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            view = memoryview(mapped)
+            try:
+                if at is None:
+                    _update_in_chunks(hasher, view)
+                else:
+                    _update_in_chunks(hasher, view[:at])
+                    hasher.update(hole)
+                    _update_in_chunks(hasher, view[at + len(hole) :])
+            finally:
+                view.release()
+                if size:
+                    mapped.close()
     return f"{algorithm}:{hasher.hexdigest()}"
 
 
