@@ -356,6 +356,32 @@ def profile_round(dtype_name: str, args) -> dict[str, dict]:
     return results
 
 
+def profile_batched_rounds(dtype_name: str, args) -> dict[str, dict]:
+    """--profile-round with --batches: each setting's batched round at each B (an engine of exactly B rows, eager), its
+    drafting, the target's verify and a tree's path move as ranges (profile_steps)."""
+    from eyrie.bench.concurrency import decoders_for, settings_of
+    from eyrie.decoding.batched_greedy import open_batched_greedy
+    from eyrie.decoding.tree import TreeShape
+
+    model, prompt = random_target(dtype_name, args)
+    drafter = random_drafter(model, args.draft_vocab)
+    settings = settings_of(max(args.drafter_k, 1), [TreeShape(*t) for t in args.trees], ngram=False)
+    results = {}
+    for batch in args.batches:
+        engine = open_batched_greedy(model, 0, set(), rows=batch, cuda_graphs=False, row_step=1)
+        prompts = [prompt] * batch
+        engine.move_row_slots = labelled(engine.move_row_slots, "piece move path")
+        for setting, decoder in zip(settings, decoders_for(engine, drafter, settings, prompts, args.tokens)):
+            decoder.drafts.draft = labelled(decoder.drafts.draft, "piece draft")
+            decoder._run = labelled(decoder._run, "target verify")
+            with torch.inference_mode():
+                decoder.generate(prompts, 2, set(), setting["steps"])  # buffers and state of a started decode
+                pair = next(iter(decoder.rounds))
+                results[f"B {batch}: {setting['label']} round"] = profile_steps(decoder.rounds[pair], args.rounds)
+        del engine
+    return results
+
+
 def print_profile(dtype_name: str, results: dict[str, dict], args) -> None:
     print(f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, {dtype_name}, compile {args.compile}, "
           f"no CUDA graphs; per step: kernels, device us, CPU us")
@@ -406,7 +432,8 @@ def main() -> None:
     parser.add_argument("--top-k", choices=sorted(TOP_K_WAYS), help="the tree rounds' top-K over the draft vocabulary, in "
                         "place of eyrie's default (eyrie.decoding.topk): run once per way, --out then --against, to compare them")
     parser.add_argument("--profile-round", action="store_true", help="where a round's time goes, range by range, in place of the "
-                        "timings (see above); --drafter-k is the chain profiled, --trees the trees; --out writes the ranges")
+                        "timings (see above); --drafter-k is the chain profiled, --trees the trees; --out writes the ranges; with --batches: each "
+                        "setting's batched round at each B (drafting, the target's verify, a tree's path move)")
     parser.add_argument("--rounds", type=int, default=20, help="--profile-round: steps profiled per decoder")
     parser.add_argument("--kernels", type=int, default=0, help="--profile-round: print each range's N costliest kernels "
                         "(name, count and us per step)")
@@ -414,6 +441,15 @@ def main() -> None:
     use_compile_mode(None if args.compile_mode == "default" else args.compile_mode)
     if args.top_k:
         use_top_k(args.top_k)
+    if args.batches and args.profile_round:
+        profiles = {}
+        for dtype in args.dtypes:
+            profiles[dtype] = profile_batched_rounds(dtype, args)
+            print_profile(dtype, profiles[dtype], args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({**machine(), "batches": args.batches, "profiles": profiles}, f, indent=1)
+        return
     if args.batches:
         rows = [row for dtype in args.dtypes for row in run_batches(dtype, args)]
         if args.out:

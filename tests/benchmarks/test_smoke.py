@@ -105,6 +105,17 @@ def test_decode_floor_profile_round_names_where_each_round_goes(tmp_path, monkey
     assert any(name.startswith("piece ") for name in profiles["tree (2, 2, 4) round"])  # and the drafter's
 
 
+def test_decode_floor_profile_round_at_each_batch_names_drafting_verify_and_the_path_move(tmp_path, monkeypatch):
+    out = tmp_path / "profile.json"
+    run_here("decode_floor.py", "--profile-round", "--batches", 1, 3, "--small", "--trees", "2,2,4", "--no-compile", "--rounds", 2,
+             "--drafter-k", 2, "--prompt-tokens", 8, "--tokens", 32, "--draft-vocab", 64, "--dtypes", "float32", "--out", out, monkeypatch=monkeypatch)
+    profiles = json.loads(out.read_text())["profiles"]["float32"]
+    assert set(profiles) == {f"B {b}: {label} round" for b in (1, 3) for label in ("chain 2", "tree 2-2-4")}
+    for label, ranges in profiles.items():
+        assert positive(ranges["whole step"]["cpu_us"]) and {"piece draft", "target verify"} <= set(ranges), label
+    assert "piece move path" in profiles["B 3: tree 2-2-4 round"]  # a tree's accepted path moves; a chain's needs no move
+
+
 def test_train_throughput_measures_each_variant(tmp_path, monkeypatch):
     out = tmp_path / "train.json"
     run_here("train_throughput.py", "--small", "--variants", "baseline,flex+chunked", "--warmup", 1, "--steps", 1, "--seq-len", 32,
