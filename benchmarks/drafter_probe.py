@@ -273,7 +273,8 @@ def copy_what_if(args) -> dict:
 
 
 def parity(args) -> dict:
-    from eyrie.bench.benchmark import first_turn, load_heldout_prompts, load_models, stop_ids_of
+    from eyrie.bench.benchmark import first_turn, load_models, stop_ids_of
+    from eyrie.bench.prompt_files import load_heldout_prompts
 
     work = Path(args.workdir)
     target_dir = args.model or str(next((work / "resources" / "models").iterdir()))
@@ -394,7 +395,8 @@ def trees(args) -> dict:
 
 
 def _trees(args) -> dict:
-    from eyrie.bench.benchmark import first_turn, load_benchmark_prompts, stop_ids_of
+    from eyrie.bench.benchmark import first_turn, stop_ids_of
+    from eyrie.bench.prompt_files import load_benchmark_prompts
     from eyrie.decoding.decode import greedy_decode, tree_decode
     from eyrie.decoding.static import open_decoder
 

@@ -248,7 +248,7 @@ def test_a_truncated_drafter_model_safetensors_names_the_file_and_the_drafter_to
 
 @pytest.mark.parametrize("reader", ["load_drafter", "read_simulated_acceptance", "benchmark"])
 def test_an_invalid_drafter_config_json_names_the_file(tmp_path, reader):
-    from eyrie.bench.benchmark import read_drafter_config
+    from eyrie.bench.checks import read_drafter_config
     from eyrie.drafter.checkpoint import CheckpointError, load_drafter, read_simulated_acceptance
 
     directory = trained_drafter(tmp_path)
@@ -331,7 +331,8 @@ def test_a_cache_left_incomplete_by_a_failed_write_never_verifies(tmp_path):
 
 
 def test_the_benchmark_refuses_a_drafter_whose_logits_are_not_finite():
-    from eyrie.bench.benchmark import NonFiniteDrafterError, check_drafter_logits
+    from eyrie.bench.checks import check_drafter_logits
+    from eyrie.bench.errors import NonFiniteDrafterError
 
     target = tiny_llama(hidden=32, layers=8, vocab=50, intermediate=64, positions=128, head_dim=8)
     drafter = tiny_drafter(target.config, seed=None, embeddings=target.get_input_embeddings().weight.detach())

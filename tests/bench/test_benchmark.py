@@ -11,11 +11,9 @@ import pytest
 from factories import random_target_drafter
 import torch
 
-from eyrie.bench.benchmark import (
-    DrafterNotEngagedError,
-    load_benchmark_prompts,
-    run_benchmark,
-)
+from eyrie.bench.benchmark import run_benchmark
+from eyrie.bench.errors import DrafterNotEngagedError
+from eyrie.bench.prompt_files import load_benchmark_prompts
 from eyrie.core.errors import BadRecordError, ContractError
 
 PROMPTS = [
@@ -497,7 +495,7 @@ def test_the_gate_serves_trainings_own_held_out_prompts_and_judges_like_with_lik
     gate sets that beside the walk over exactly those replies (longer than bench.max_new_tokens here: the decoder is sized
     for them); the benchmark's own prompts are recorded beside, not judged.
     A walk far above what serving gives fails the job naming like-with-like; the walk equal to it passes."""
-    from eyrie.bench.benchmark import ParityGapError
+    from eyrie.bench.errors import ParityGapError
     from eyrie.target.chat_template import render
     from eyrie.target.model import template_fingerprint
 

