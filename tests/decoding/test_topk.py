@@ -54,3 +54,17 @@ def test_ranked_top_k_breaks_ties_by_index_and_compiles_to_the_same_result():
     compiled = torch.compile(ranked_top_k, dynamic=False)(rows, 10)
     expected = rows.topk(10, dim=-1)
     assert torch.equal(compiled[0], expected.values) and torch.equal(compiled[1], expected.indices)
+
+
+@pytest.mark.parametrize("rows, on_cuda, way", [(10, True, "ranked"), (32, True, "ranked"), (640, True, "two stages"), (10, False, "two stages")])
+def test_the_quadratic_ranking_serves_only_a_few_rows_on_cuda(monkeypatch, rows, on_cuda, way):
+    """A batch of trees has K rows per request: beyond a few, the rankings' pairwise comparisons outgrow torch.topk."""
+    from types import SimpleNamespace
+
+    import eyrie.decoding.topk as topk
+
+    taken = []
+    monkeypatch.setattr(topk, "ranked_top_k", lambda values, k: taken.append("ranked"))
+    monkeypatch.setattr(topk, "two_stage_top_k", lambda values, k: taken.append("two stages"))
+    topk.top_k(SimpleNamespace(is_cuda=on_cuda, shape=(rows, 32000)), 10)
+    assert taken == [way]

@@ -12,8 +12,10 @@ which of several equal values is taken, which torch.topk leaves unspecified too.
 
 ranked_top_k goes further: no radix select or sort at all. Measured in the tree rounds on an H200
 (benchmarks/decode_floor.py --top-k, random weights, 32,000-token draft vocabulary, bf16, one call): a (6, 10, 48) round 2.846 -> 2.742 ms
-(0.964x) against the two stages, (6, 8, 32) 0.981x, (8, 10, 64) 0.955x. So top_k takes it on CUDA; on the CPU, where
-it was not timed, the two stages stay.
+(0.964x) against the two stages, (6, 8, 32) 0.981x, (8, 10, 64) 0.955x. So top_k takes it on CUDA for a tree's few
+rows; its rankings compare every pair of chunk maxima and of candidates, (rows, ~570, ~570) at a 32,000-token
+vocabulary and K = 10, which grows with the rows (640 for a batch of 64 trees: ~200M comparisons a ranking), so beyond
+RANKED_MAX_ROWS, and on the CPU, where it was not timed, the two stages stay.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 MAX_CHUNK = 2048  # longest chunk: PyTorch's single-block path for any row count, and enough chunks to fill the GPU
 CHUNKED_FROM = 4096  # rows up to this long already take the single-block path in one call
+RANKED_MAX_ROWS = 32  # ranked_top_k's quadratic rankings only for a batch-1 tree's frontier (K rows) and a few more
 
 
 def chunks_for(width: int, k: int, max_chunk: int = MAX_CHUNK) -> int:
@@ -34,8 +37,8 @@ def chunks_for(width: int, k: int, max_chunk: int = MAX_CHUNK) -> int:
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest of each row of `values` (rows, width), largest first, as torch.topk: the
-    ranked way on CUDA, the two stages elsewhere (the module's docstring says why)."""
-    return ranked_top_k(values, k) if values.is_cuda else two_stage_top_k(values, k)
+    ranked way on CUDA for up to RANKED_MAX_ROWS rows, the two stages elsewhere (the module's docstring says why)."""
+    return ranked_top_k(values, k) if values.is_cuda and values.shape[0] <= RANKED_MAX_ROWS else two_stage_top_k(values, k)
 
 
 def two_stage_top_k(values: torch.Tensor, k: int, max_chunk: int = MAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
