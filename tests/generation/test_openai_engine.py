@@ -30,7 +30,8 @@ from factories import STUB_PROMPTS, STUB_SERVER, STUB_SETTINGS, run_shard, write
 
 from eyrie.core.errors import ConfigError
 from eyrie.generation.conversations import COMPLETIONS_SCHEMA, ERROR, PROMPT_TOO_LONG, settings_key
-from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable
+from eyrie.generation.openai_engine import OpenAIEngine
+from eyrie.generation.openai_requests import ServerUnavailable
 from eyrie.generation.partial import PartialLog, logs_of
 
 # ---------------------------------------------------------------------------- helpers

@@ -14,10 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from fault_server import FaultServer
 
-import eyrie.generation.openai_engine as openai_engine
+import eyrie.generation.openai_requests as openai_requests
 from eyrie.core.errors import ConfigError
 from eyrie.generation.conversations import ERROR, PROMPT_TOO_LONG, load_conversations, make_row, settings_key
-from eyrie.generation.openai_engine import OpenAIEngine, ServerUnavailable, retry_after_seconds, retry_budget_s
+from eyrie.generation.openai_engine import OpenAIEngine
+from eyrie.generation.openai_requests import ServerUnavailable, retry_after_seconds, retry_budget_s
 from eyrie.generation.partial import PartialLog, PartialLogWriteError, log_path, logs_of
 from eyrie.generation.regenerate import FailedTurns, regenerate_shard, shard_answered
 
@@ -98,7 +99,7 @@ def test_empty_replies_a_log_holds_as_finished_are_asked_again_not_trained_on(tm
     with FaultServer(rules={"question 1 ": "empty"}) as server:
         # An engine that took an empty reply for an answer: both turns of p1 logged as 'stop' with nothing in them.
         with monkeypatch.context() as accepting:
-            accepting.setattr(openai_engine, "empty_reply", lambda message: False)
+            accepting.setattr(openai_requests, "empty_reply", lambda message: False)
             run(tmp_path, engine(server))
         poisoned = [r for r in log_rows(tmp_path) if r["id"] == "p1"]
         assert [(r["turn"], r["finish_reason"], r["reply"]) for r in poisoned] == [(0, "stop", ""), (1, "stop", "")]

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable
 from dataclasses import asdict, dataclass
 
-from eyrie.data.prompts import ROLE_MAP, SHAPES, is_heldout, normalise_record, shape_of, stable_unit
+from eyrie.data.normalise import ROLE_MAP, SHAPES, normalise_record, shape_of
+from eyrie.data.prompts import is_heldout, stable_unit
 from eyrie.data.sources import BadRecord, RawRecord
 
 # Each asks for the text back, whole or in part, as a user pasting a document would.

@@ -4,7 +4,7 @@ A reader yields `RawRecord`s: either decoded data or a `BadRecord` explaining wh
 that one record could not be decoded; it never stops the whole file for one bad
 record. Bytes are decoded with errors="surrogateescape", so invalid UTF-8 survives
 as lone surrogates U+DC80..U+DCFF and is reported later, per field, by the
-normaliser (eyrie.data.prompts).
+normaliser (eyrie.data.normalise).
 
 Locations: lines count from 1 (as editors show them); JSON array records and
 Parquet / Hugging Face rows count from 0 (as Python indexes them).

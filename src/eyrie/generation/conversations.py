@@ -221,7 +221,7 @@ def load_conversations(prompts_path: str, max_turns: int) -> list[Conversation]:
     for record in prompts.to_pylist():
         messages = [{k: v for k, v in m.items() if v is not None} for m in record["messages"]]
         system, inputs, replies = split_turns(messages, max_turns)
-        # A dataset that keeps its source's replies has one after each turn (eyrie.data.prompts); others have none.
+        # A dataset that keeps its source's replies has one after each turn (eyrie.data.normalise); others have none.
         kept = [r for r in replies if r is not None]
         plain = all(len(i) == 1 and i[0]["role"] == "user" and is_plain(i) for i in inputs) and is_plain(kept)
         conversations.append(Conversation(
