@@ -441,29 +441,21 @@ def main() -> None:
     use_compile_mode(None if args.compile_mode == "default" else args.compile_mode)
     if args.top_k:
         use_top_k(args.top_k)
-    if args.batches and args.profile_round:
+    if args.profile_round:  # batched rounds at each B of --batches, else batch 1's steps and rounds
+        profiled = profile_batched_rounds if args.batches else profile_round
         profiles = {}
         for dtype in args.dtypes:
-            profiles[dtype] = profile_batched_rounds(dtype, args)
+            profiles[dtype] = profiled(dtype, args)
             print_profile(dtype, profiles[dtype], args)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({**machine(), "batches": args.batches, "profiles": profiles}, f, indent=1)
+                json.dump({**machine(), "batches": args.batches, "compile": args.compile, "profiles": profiles}, f, indent=1)
         return
     if args.batches:
         rows = [row for dtype in args.dtypes for row in run_batches(dtype, args)]
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({**machine(), "batches": rows}, f, indent=1)
-        return
-    if args.profile_round:
-        profiles = {}
-        for dtype in args.dtypes:
-            profiles[dtype] = profile_round(dtype, args)
-            print_profile(dtype, profiles[dtype], args)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({**machine(), "compile": args.compile, "profiles": profiles}, f, indent=1)
         return
     rows = [row for dtype in args.dtypes for row in run(dtype, args)]
     if args.out:
