@@ -120,3 +120,28 @@ def test_trees_give_each_rows_greedy_and_match_batch_1_acceptance(setup, shape):
     with torch.inference_mode():
         alone = [tree_decode(single, drafter, prompt, MAX_NEW, set(), *shape).acceptance_lengths for prompt in prompts]
     assert alone == result.acceptance_lengths
+
+
+def test_every_round_graph_and_greedy_step_of_an_engine_captures_into_its_one_pool(setup, monkeypatch):
+    """Round graphs per setting and span pair at B = 64 summed past 60 GiB with a pool each: they share the engine's."""
+    import eyrie.decoding.batched_greedy as batched_greedy_module
+    import eyrie.decoding.batched_speculative as batched_module
+
+    model, drafter = setup
+    pools = []
+
+    class Recording:
+        def __init__(self, fn, use_graph, failures, pool=None):
+            pools.append(pool)
+            self.fn = fn
+
+        def __call__(self):
+            self.fn()
+
+    monkeypatch.setattr(batched_module, "Replay", Recording)
+    monkeypatch.setattr(batched_greedy_module, "Replay", Recording)
+    engine = BatchedGreedy(model, pad_id=0, stop_ids=set(), rows=2, cuda_graphs=False)
+    engine.graph_pool = ("the engine's pool",)
+    for drafts in (drafter, "ngram"):
+        BatchedSpeculative(engine, drafts).prepare(2, 9, MAX_NEW, K)
+    assert len(pools) > 2 and set(pools) == {("the engine's pool",)}

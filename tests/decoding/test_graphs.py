@@ -28,7 +28,7 @@ def fake_cuda(monkeypatch):
     collector_on_in_capture = []
 
     @contextlib.contextmanager
-    def capture(graph):
+    def capture(graph, pool=None):
         collector_on_in_capture.append(gc.isenabled())
         yield
 
@@ -74,7 +74,7 @@ def test_a_failed_capture_turns_the_collector_back_on_and_runs_eagerly(fake_cuda
     gc.enable()
 
     @contextlib.contextmanager
-    def failing_capture(graph):
+    def failing_capture(graph, pool=None):
         raise RuntimeError("operation failed due to a previous error during capture")
         yield
 
@@ -93,7 +93,7 @@ def test_a_capture_invalidated_once_is_taken_again_and_replays_as_a_graph(fake_c
     attempts = []
 
     @contextlib.contextmanager
-    def flaky_capture(graph):
+    def flaky_capture(graph, pool=None):
         attempts.append(graph)
         if len(attempts) == 1:
             raise RuntimeError("operation failed due to a previous error during capture")
@@ -106,3 +106,22 @@ def test_a_capture_invalidated_once_is_taken_again_and_replays_as_a_graph(fake_c
     assert not [w for w in recwarn if "CUDA graph capture failed" in str(w.message)]
     replay()
     assert replay.graph.replays == 1
+
+
+def test_replays_given_one_pool_capture_into_it(fake_cuda, monkeypatch):
+    """A batched engine's greedy steps and rounds share one memory pool (graphs.shared_pool): the pool reaches every capture."""
+    pools = []
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        pools.append(pool)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 7))
+    shared = graphs.shared_pool(use_graphs=True)
+    for _ in range(3):
+        graphs.Replay(lambda: None, use_graph=True, failures=[], pool=shared)
+    graphs.Replay(lambda: None, use_graph=True, failures=[])  # a graph of its own
+    assert pools == [("pool", 7)] * 3 + [None]
+    assert graphs.shared_pool(use_graphs=False) is None  # eager engines hold no pool
