@@ -217,7 +217,7 @@ def run_batches(dtype_name: str, args) -> list[dict]:
     rounds' tokens."""
     from eyrie.bench.concurrency import decoders_for, settings_of
     from eyrie.decoding.batched_greedy import open_batched_greedy
-    from eyrie.decoding.graphs import release_graphs
+    from eyrie.decoding.graphs import free_unused_graphs
     from eyrie.decoding.tree import TreeShape
 
     model, prompt = random_target(dtype_name, args)
@@ -261,7 +261,7 @@ def run_batches(dtype_name: str, args) -> list[dict]:
               + (f"  CAPTURE FAILED: {engine.capture_failures[:1]}" if engine.capture_failures else "")
               + (f"  (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)" if graphs else ""), flush=True)
         del engine, eager, decoders
-        release_graphs()
+        free_unused_graphs()
     return rows
 
 

@@ -25,7 +25,7 @@ import time
 from eyrie.bench.sweep import label
 from eyrie.decoding.batched_speculative import BatchedSpeculative, trimmed
 from eyrie.decoding.batched_tree import TreeDrafts
-from eyrie.decoding.graphs import release_graphs
+from eyrie.decoding.graphs import free_unused_graphs
 from eyrie.decoding.tree import TreeShape
 from eyrie.target.serving import eagle3_flags
 
@@ -200,7 +200,7 @@ def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids,
         engine_rows = engine.rows
         capture_failures += engine.capture_failures
         del engine
-        release_graphs()  # this load's engine and decoders, before the float32 copies load
+        free_unused_graphs()  # this load's engine and decoders, before the float32 copies load
         measured = time.perf_counter()
         if model.dtype == torch.float32:
             identical = [r["identical_rows"] for r in rows]
@@ -209,7 +209,7 @@ def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids,
         print(f"concurrency B = {batch}: greedy {greedy['tokens_per_s']:.0f} tok/s; "
               + ", ".join(f"{r['label']} {r['speedup']:.2f}x" for r in rows)
               + f"; measured in {measured - started:.1f} s, float32 check {time.perf_counter() - measured:.1f} s", flush=True)
-        release_graphs()  # this B's decoders and float32 copies
+        free_unused_graphs()  # this B's decoders and float32 copies
         for row, same in zip(rows, identical):
             row["lossless"] = same == batch
             row["float32_identical_rows"] = same

@@ -78,7 +78,7 @@ def shared_pool(use_graphs: bool):
     return torch.cuda.graph_pool_handle() if use_graphs else None
 
 
-def release_graphs() -> None:
+def free_unused_graphs() -> None:
     """Free the graphs and buffers of decoders no longer referenced (their replays' partials keep them in reference
     cycles) and hand their memory back: between batch sizes, so that one B's graphs do not crowd out the next B's."""
     gc.collect()

@@ -6,9 +6,9 @@ layers' outputs); only real tokens leave the device, and a background thread wri
 rows straight to their place in the file while the next batch runs. The file's layout, its
 manifest and its readers belong to eyrie.hidden.cache.
 
-With hidden.compile (auto: on CUDA) each of the target's decoder layers runs through torch.compile, which
-fuses the elementwise work between its matrix products; a compile failure leaves extraction eager, with a
-warning, and the manifest says which ran (compiled).
+With hidden.compile (auto: on CUDA, for a shard big enough to repay the compile) each of the target's
+decoder layers runs through torch.compile, which fuses the elementwise work between its matrix products;
+a compile failure leaves extraction eager, with a warning, and the manifest says which ran (compiled).
 
 With hidden.tensor_parallel N the job runs this module as N torchrun ranks (`python -m
 eyrie.hidden.extract ARGS.json`, launched by eyrie.hidden.parallel): every rank runs the same batches
@@ -232,7 +232,7 @@ def _shard_manifest(shard: _Shard, config, aux_layer_ids, model_fingerprint: str
 _COMPILED_MARK = "_eyrie_layers_compiled"  # on a model: True once its layers ran compiled, else why compiling failed
 
 
-def compile_layers(model, capture: list[int], setting: bool | str, first_batch: tuple, tokens: int = 0) -> bool:
+def compile_layers(model, capture: list[int], setting: bool | str, first_batch: tuple, tokens: int) -> bool:
     """hidden.compile: whether the target's decoder layers run compiled for this extraction.
 
     Each layer is compiled in place (Module.compile: a capture hook runs inside the compiled call) once per model. The shard's
