@@ -15,8 +15,8 @@ The target is a random-weight model of the default target's shape (SmolLM2-135M:
 
   floor            a minimal static-KV-cache Llama step written here (one attention over the whole cache,
                    no spans, no hidden-state capture) whose whole step is fused by torch.compile
-                   (inductor's default mode, as the static decoder's compile option) and captured as one
-                   CUDA graph: what a lean engine does per token at this shape;
+                   (max-autotune-no-cudagraphs, as the benchmark's floor on CUDA: --floor-mode) and captured
+                   as one CUDA graph: what a lean engine does per token at this shape;
   static           eyrie.decoding.static.StaticLlama, one CUDA graph per step (bench.decoder: static);
   static-compiled  the same with compile=True (each step fused by inductor, then captured).
 
@@ -33,8 +33,9 @@ even at that load), and whether the graphed rounds give the eager rounds' tokens
 
     python benchmarks/decode_floor.py --dtypes bfloat16 --batches 1 4 16 64 --tokens 128 --drafter-k 4 --trees 6,10,48 --repeats 2
 
---compile-mode MODE: torch.compile's mode for the floor and the static decoder's pieces (default: inductor's default,
-as bench.compile), e.g. max-autotune-no-cudagraphs; each row gives its build time (compiling and capturing).
+--compile-mode MODE: torch.compile's mode for the static decoder's pieces (bench.compile_mode: default or
+max-autotune-no-cudagraphs); --floor-mode the floor's (default max-autotune-no-cudagraphs, as the benchmark's floor on
+CUDA). Each row gives its build time (compiling, tuning and capturing); TORCHINDUCTOR_CACHE_DIR keeps the tuning.
 
 --profile-round: where a round's time goes, piece by piece, instead of the timings above. A greedy step, a chain round
 (--drafter-k) and tree rounds (--trees) run under torch.profiler on the static decoder, compiled as `bench.compile`
@@ -66,7 +67,7 @@ from eyrie.bench.rounds import first_divergence
 from eyrie.decoding.decode import greedy_decode, speculative_decode, tree_decode
 from eyrie.decoding.floor import FloorDecoder
 from eyrie.decoding.static import StaticLlama, open_engine
-from eyrie.decoding.static_common import needed_capacity
+from eyrie.decoding.static_common import AUTOTUNED, COMPILE_MODES, needed_capacity
 from eyrie.decoding.static_drafter import StaticEagle3
 from eyrie.decoding.static_tree import StaticTree
 from eyrie.decoding.topk import ranked_top_k, two_stage_top_k
@@ -81,16 +82,6 @@ PROFILE_CAPACITY, PROFILE_SPAN = 512, 256  # the profiled steps' cache; position
 
 
 TOP_K_WAYS = {"torch": lambda values, k: values.topk(k, dim=-1), "two-stage": two_stage_top_k, "ranked": ranked_top_k}
-
-
-def use_compile_mode(mode: str | None) -> None:
-    """torch.compile's mode for the floor and the static decoder (both read it when they compile)."""
-    import eyrie.decoding.floor
-    import eyrie.decoding.static_common
-    import eyrie.decoding.static_llama
-
-    for module in (eyrie.decoding.static_common, eyrie.decoding.static_llama, eyrie.decoding.floor):
-        module.COMPILE_MODE = mode
 
 
 def use_top_k(way: str) -> None:
@@ -168,20 +159,20 @@ def run(dtype_name: str, args) -> list[dict]:
                      "first_divergence_from_floor": None, "capture_failures": []})
     elif args.floor:
         built = time.perf_counter()
-        floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs)
+        floor = FloorDecoder(model, capacity, compile=args.compile, graphs=graphs, mode=args.floor_mode)
         floor_runs = [floor.decode(prompt, args.tokens) for _ in range(args.repeats + WARMUPS)]
         build_seconds = time.perf_counter() - built - sum(s for _, s in floor_runs)
         floor_runs = floor_runs[WARMUPS:]
         floor_tokens = floor_runs[0][0]
         floor_ms = 1000 * statistics.median(s for _, s in floor_runs) / (args.tokens - 1)
-        rows.append({"dtype": dtype_name, "decoder": "floor" + ("-compiled" if args.compile else ""), "ms_per_token": floor_ms,
+        rows.append({"dtype": dtype_name, "decoder": "floor" + (("-compiled" if args.floor_mode == "default" else "-autotuned") if args.compile else ""), "ms_per_token": floor_ms,
                      "ratio_to_floor": 1.0, "first_divergence_from_floor": None, "capture_failures": floor.failures,
                      "build_seconds": build_seconds})
 
     for compile in [True] if args.compiled_only else ([False, True] if args.compile else [False]):
         built = time.perf_counter()
-        engine = open_engine(model, capacity=capacity, cuda_graphs=graphs, compile=compile) if args.target else \
-            StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile)
+        engine = open_engine(model, capacity=capacity, cuda_graphs=graphs, compile=compile, compile_mode=args.compile_mode) if args.target else \
+            StaticLlama(model, capacity=capacity, cuda_graphs=graphs, compile=compile, compile_mode=args.compile_mode)
         results = [greedy_decode(engine, prompt, args.tokens, set()) for _ in range(args.repeats + WARMUPS)]
         build_seconds = time.perf_counter() - built - sum(r.seconds for r in results)
         results = results[WARMUPS:]
@@ -336,7 +327,7 @@ def profile_round(dtype_name: str, args) -> dict[str, dict]:
     """--profile-round: per step label (greedy step, chain round, each tree's round), profile_steps' ranges."""
     model, prompt = random_target(dtype_name, args)
     opened = open_engine if args.target else StaticLlama
-    engine = opened(model, capacity=PROFILE_CAPACITY, cuda_graphs=False, compile=args.compile)
+    engine = opened(model, capacity=PROFILE_CAPACITY, cuda_graphs=False, compile=args.compile, compile_mode=args.compile_mode)
     eagle = engine.drafter_for(random_drafter(model, args.draft_vocab))
     steps = {"greedy step": engine.step_function(functools.partial(engine._greedy_step, PROFILE_SPAN))}
     with torch.inference_mode():
@@ -424,8 +415,10 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants (CPU smoke test)")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (an engine-against-engine comparison)")
     parser.add_argument("--compiled-only", action="store_true", help="time only the compiled static decoder")
-    parser.add_argument("--compile-mode", default="default", help="torch.compile's mode for the floor and the static decoder's "
-                        "pieces (default: inductor's default, as bench.compile; e.g. max-autotune-no-cudagraphs)")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode for the static "
+                        "decoder's pieces (bench.compile_mode)")
+    parser.add_argument("--floor-mode", choices=COMPILE_MODES, default=AUTOTUNED, help="torch.compile's mode for the floor "
+                        "(default: autotuned, as the benchmark's floor on CUDA)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--against", help="rows an earlier run wrote with --out (e.g. the previous engine's source on PYTHONPATH, "
                                           "in the same call): print this run's ms over that one's, row by row")
@@ -438,7 +431,6 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, help="--profile-round: print each range's N costliest kernels "
                         "(name, count and us per step)")
     args = parser.parse_args()
-    use_compile_mode(None if args.compile_mode == "default" else args.compile_mode)
     if args.top_k:
         use_top_k(args.top_k)
     if args.profile_round:  # batched rounds at each B of --batches, else batch 1's steps and rounds

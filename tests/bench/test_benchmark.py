@@ -631,6 +631,7 @@ def test_floor_block_times_greedy_beside_the_minimal_step(tmp_path, model_dir, d
     assert floor["floor_ms_per_token"] > 0 and floor["greedy_ms_per_token"] > 0
     assert abs(floor["ratio"] - floor["greedy_ms_per_token"] / floor["floor_ms_per_token"]) < 1e-9
     assert floor["capacity"] == 256 >= floor["prompt_tokens"] + 8  # the smallest bucket holds prompt, reply and two spare slots
+    assert floor["floor_mode"] is None and floor["engine_mode"] is None  # nothing fused: bench.compile is off on the CPU
     auto = run_benchmark(target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS[:1], benchmark_name="local",
                          bench_cfg=cfg, out_path=tmp_path / "auto.json", device="cpu")
     assert auto["floor"] is None

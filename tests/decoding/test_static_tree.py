@@ -260,3 +260,26 @@ def test_eagle31_norms_decode_alike_on_every_path(compile):
     assert chain_static.acceptance_lengths == chain_reference.acceptance_lengths and max(chain_static.acceptance_lengths) > 1
     assert tree_static.acceptance_lengths == tree_reference.acceptance_lengths and max(tree_static.acceptance_lengths) > 1
     assert eagle.fusion_failure is None and (ran["_extend"] > 0) == compile  # compiled pieces ran, not an eager fallback
+
+
+def test_every_piece_fuses_in_the_engines_compile_mode(monkeypatch):
+    """bench.compile_mode reaches every compiled piece: the target's layer pieces and head, the drafter's, the chain's
+    accept and a tree's; an unknown mode is refused before anything compiles."""
+    from eyrie.decoding.static_common import AUTOTUNED, fused
+
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda function, dynamic, mode: modes.append((function.__name__, mode)) or function)
+    model = tree_target(vocab_size=5)
+    engine = StaticLlama(model, capacity=128, cuda_graphs=False, compile=True, compile_mode=AUTOTUNED)
+    eagle = engine.drafter_for(normed_drafter(model))
+    with torch.inference_mode():  # as a decode builds them
+        eagle._rounds_for(2)
+        StaticTree(eagle, TreeShape(3, 2, 6))
+    names = {name for name, _ in modes}
+    assert {"_project", "_finish", "_head", "_accept", "_extend_top", "_step", "_select"} <= names
+    assert {mode for _, mode in modes} == {AUTOTUNED} and engine.label == "static-autotuned"
+    modes.clear()
+    assert StaticLlama(model, capacity=128, cuda_graphs=False, compile=True).label == "static-compiled"
+    assert {mode for _, mode in modes} == {None}  # inductor's default mode
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        fused(engine._head, "reduce-overhead")

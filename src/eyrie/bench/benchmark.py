@@ -37,6 +37,7 @@ from eyrie.bench.rounds import acceptance_summary, first_divergence, round_field
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
 from eyrie.bench.vocab_reach import outside_draft_vocab
 from eyrie.core.atomic import write_json_atomically
+from eyrie.core.inductor_cache import use_inductor_cache
 from eyrie.core.schema import WHEEL_BENCHMARKS, with_defaults
 
 
@@ -251,7 +252,7 @@ def open_bench_decoder(model, cfg: dict, encoded: list[tuple[str, list[int]]], p
     widest = widest_draft(cfg["draft_tokens"], cfg.get("sweep"))
     capacity = max([needed_capacity(longest, max(cfg["max_new_tokens"], WARMUP_TOKENS), widest)]
                    + [needed_capacity(len(s["prompt_ids"]), s["reply_tokens"], cfg["draft_tokens"]) for s in parity_samples])
-    return open_decoder(model, cfg["decoder"], capacity, compile=cfg["compile"])
+    return open_decoder(model, cfg["decoder"], capacity, compile=cfg["compile"], compile_mode=cfg["compile_mode"])
 
 
 @dataclass
@@ -531,6 +532,7 @@ def _write_result(result: dict, out_path, failure: type[BenchmarkError] | None) 
 def run_benchmark_job(*, benchmark: str, prompts_path, drafter_dir, target_dir, bench_cfg: dict, out_path, **kwargs) -> dict:
     """The Snakemake job: load the benchmark's prompts, then run_benchmark (the drafter's config names its template)."""
     cfg = with_defaults("bench", bench_cfg)
+    use_inductor_cache(cfg["compile_cache"])  # max-autotune's timings outlive the job: a rerun reuses them
     limit = (cfg.get(benchmark) or {}).get("limit") if benchmark in WHEEL_BENCHMARKS else cfg["prompts_per_dataset"]
     prompts = load_benchmark_prompts(benchmark, prompts_path, limit)
     if not prompts:

@@ -2,7 +2,7 @@
 
 One step is embed, 30 x (norm, q/k/v, rotary, cache write, SDPA over the whole cache, o, norm, MLP), norm, head,
 argmax, written out with nothing else (no aux capture, no spans, no drafter buffers) and, with compile, fused by
-inductor and captured as one CUDA graph. The benchmark times it beside the static decoder's greedy on the same
+inductor (in `mode`: the benchmark's floor is autotuned on CUDA) and captured as one CUDA graph. The benchmark times it beside the static decoder's greedy on the same
 weights and prompt (bench.floor); benchmarks/decode_floor.py compares every decoder with it.
 """
 
@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from eyrie.decoding.graphs import Replay
-from eyrie.decoding.static_common import COMPILE_MODE
+from eyrie.decoding.static_common import fused
 
 
 class FloorDecoder:
     """Greedy decoding of a Llama (HF weights, used in place) on a static cache: the lean engine to compare with."""
 
-    def __init__(self, model, capacity: int, compile: bool, graphs: bool):
+    def __init__(self, model, capacity: int, compile: bool, graphs: bool, mode: str = "default"):
         inner, config = model.model, model.config
         self.model, self.layers = model, list(inner.layers)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -33,7 +33,7 @@ class FloorDecoder:
         self.cos, self.sin = cos[0], sin[0]
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        step = torch.compile(self._step, dynamic=False, mode=COMPILE_MODE) if compile else self._step
+        step = fused(self._step, mode) if compile else self._step
         self.failures: list[str] = []
         with torch.inference_mode():  # capture and compile without autograd, as the decode runs
             self.replay = Replay(step, graphs, self.failures)

@@ -19,12 +19,12 @@ def unsupported_reason(model) -> str | None:
     return modules_reason(model)
 
 
-def open_engine(model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False):
+def open_engine(model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False, compile_mode: str = "default"):
     """The fastest static engine for `model`: StaticLlama for Llama-structured decoders, else StaticModules (the
     target's own decoder layers on the static cache; compile does not apply there). UnsupportedTargetError says why
-    neither can run it."""
+    neither can run it. compile_mode: eyrie.decoding.static_common.COMPILE_MODES."""
     if llama_reason(model) is None:
-        return StaticLlama(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile)
+        return StaticLlama(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile, compile_mode=compile_mode)
     return StaticModules(model, capacity=capacity, cuda_graphs=cuda_graphs)
 
 
@@ -34,7 +34,8 @@ def open_engine(model, capacity: int = 512, cuda_graphs: bool | None = None, com
 DECODERS = ("auto", "static", "transformers")
 
 
-def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = None, compile: str | bool = False):
+def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = None, compile: str | bool = False,
+                 compile_mode: str = "default"):
     """(what greedy_decode/speculative_decode take as target, decoder label, why no static engine ran or None; the label names the engine).
 
     compile: True/False, or "auto" = fuse the static decoder's steps on CUDA, where they are launch-bound
@@ -47,7 +48,7 @@ def open_decoder(model, setting: str, capacity: int, cuda_graphs: bool | None = 
     if compile == "auto":
         compile = next(model.parameters()).device.type == "cuda"
     try:
-        engine = open_engine(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=bool(compile))
+        engine = open_engine(model, capacity=capacity, cuda_graphs=cuda_graphs, compile=bool(compile), compile_mode=compile_mode)
     except UnsupportedTargetError as error:
         if setting == "static":
             raise

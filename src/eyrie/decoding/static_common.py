@@ -11,15 +11,25 @@ from eyrie.core.errors import EyrieError
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CAPACITY_STEP = 64  # cache slots are rounded up to this: fewer recaptures, aligned attention masks
 SMALLEST_SPAN = 256  # attention spans are this times a power of two (or the whole cache)
-# Inductor's default mode: it fuses the small kernels, cuBLAS keeps the matrix products, Replay captures the
-# step. With max-autotune-no-cudagraphs the H200 was still tuning after 9.5 minutes (floor, greedy and round steps).
-COMPILE_MODE = None
+# torch.compile modes a static step may be fused with (bench.compile_mode). Neither captures graphs of its own: Replay
+# captures each step. "default": inductor fuses the small kernels, cuBLAS keeps the matrix products.
+# AUTOTUNED: inductor also times Triton templates against cuBLAS for every matrix product's shape and fuses the winner
+# with its neighbours; its tuning lands in inductor's cache (bench.compile_cache), so a later job reuses it.
+AUTOTUNED = "max-autotune-no-cudagraphs"
+COMPILE_MODES = ("default", AUTOTUNED)
 RECOMPILE_LIMIT = 64  # compiled step widths per piece: far more than any sweep uses
 
 
-def compiled_pieces(owner, names) -> dict:
-    """torch.compile of each method `names` of owner, static shapes: each step width (and tree shape) is one graph."""
-    return {name: torch.compile(getattr(owner, name), dynamic=False, mode=COMPILE_MODE) for name in names}
+def fused(function, mode: str = "default"):
+    """torch.compile of `function` in `mode` (one of COMPILE_MODES), static shapes: each step width (and tree shape) is one graph."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+    return torch.compile(function, dynamic=False, mode=None if mode == "default" else mode)
+
+
+def compiled_pieces(owner, names, mode: str = "default") -> dict:
+    """fused(...) of each method `names` of owner."""
+    return {name: fused(getattr(owner, name), mode) for name in names}
 
 
 class UnsupportedTargetError(EyrieError):

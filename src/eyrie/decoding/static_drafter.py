@@ -45,7 +45,7 @@ class StaticEagle3:
         self.products = MergedProducts(drafter)
         self.rounds: dict[int, ChainRounds] = {}  # by draft length
         self.fusion_failure: str | None = None  # why a compiled piece failed: the drafter then runs eagerly
-        self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
+        self._fused = compiled_pieces(self, self.PIECES, target.compile_mode) if target.compile else {}
         self.reallocate(target.capacity)
 
     @torch.inference_mode()
@@ -229,7 +229,7 @@ class ChainRounds:
         self.ext_last = torch.zeros(1, dtype=torch.long, device=device)  # last real row: rows past it are padding
         self.round_out = torch.zeros(2 * k + 2, dtype=torch.long, device=device)  # [accepted, *predicted, *drafts]
         self.step_offsets = [torch.full((1,), j, device=device) for j in range(1, k)]  # one tensor each: one compile for every j
-        self._fused = compiled_pieces(self, ("_accept",)) if eagle.target.compile else {}
+        self._fused = compiled_pieces(self, ("_accept",), eagle.target.compile_mode) if eagle.target.compile else {}
         target = eagle.target
         step = target.step_function(self._round)
         self.replays = {}

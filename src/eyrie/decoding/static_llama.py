@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from eyrie.decoding.common import DecodeResult, DraftSession, SpecResult, finished, speculative_rounds
 from eyrie.decoding.graphs import Replay, cuda_graphs_usable
 from eyrie.decoding.static_common import (
-    COMPILE_MODE,
     RECOMPILE_LIMIT,
     STATIC_ROPE_TYPES,
     UnsupportedTargetError,
+    fused,
     needed_capacity,
     round_up,
     span_for,
@@ -104,7 +104,7 @@ class StaticLlama:
 
     rows = 1  # cache rows (sequences); BatchedGreedy holds many
 
-    def __init__(self, model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False):
+    def __init__(self, model, capacity: int = 512, cuda_graphs: bool | None = None, compile: bool = False, compile_mode: str = "default"):
         self.check_target(model)
         self.model, self.config = model, model.config.get_text_config(decoder=True)  # a multimodal config nests it
         self.layers = list(self.decoder_of(model).layers)
@@ -118,15 +118,15 @@ class StaticLlama:
         self.head_dim = attention.head_dim if hasattr(attention, "head_dim") else self.config.hidden_size // self.heads
         self.drafters: dict[int, StaticEagle3] = {}
         self.capture_failures: list[str] = []  # why a graph capture failed: those steps run eagerly
-        self.compile = bool(compile)
+        self.compile, self.compile_mode = bool(compile), compile_mode  # the drafter's and trees' pieces fuse in the same mode
         self.fusing = False  # set while a step function runs: run_layers then takes the compiled layer pieces
         if self.compile:
             # Each step width (greedy 1, a chain's k + 1, a tree's K, S + 1 and N) is one more compile of the same pieces;
             # a sweep reaches dynamo's default limit of 8, past which it runs them unfused without a word.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            self._fused_project = torch.compile(self._project, dynamic=False, mode=COMPILE_MODE)
-            self._fused_finish = torch.compile(self._finish, dynamic=False, mode=COMPILE_MODE)
-            self._fused_head = torch.compile(self._head, dynamic=False, mode=COMPILE_MODE)
+            self._fused_project = fused(self._project, compile_mode)
+            self._fused_finish = fused(self._finish, compile_mode)
+            self._fused_head = fused(self._head, compile_mode)
         self._greedy_step_fn = self.step_function(self._greedy_step)
         self.capacity = 0
         self.ensure_capacity(capacity)
@@ -142,7 +142,9 @@ class StaticLlama:
     @property
     def label(self) -> str:
         label = "static-cudagraph" if self.use_graphs and not self.capture_failures else "static"
-        return label + "-compiled" if self.compile else label
+        if not self.compile:
+            return label
+        return label + ("-compiled" if self.compile_mode == "default" else "-autotuned")
 
     def step_function(self, method):
         """`method` (a step on static buffers, taking the span) as Replay will run it: its layers fused when compile is set.

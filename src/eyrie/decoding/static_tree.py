@@ -91,7 +91,7 @@ class StaticTree:
         self.round_out = torch.zeros(S + 2, dtype=torch.long, device=device)  # [accepted, *tokens of the path and the bonus]
         self.graphs: dict[int, Replay] = {}
         self.nodes = nodes
-        self._fused = compiled_pieces(self, self.PIECES) if target.compile else {}
+        self._fused = compiled_pieces(self, self.PIECES, target.compile_mode) if target.compile else {}
 
     def piece(self, name: str, *args):
         """This tree's piece `name`, fused or eager as the drafter's pieces are (StaticEagle3.piece)."""
