@@ -180,7 +180,7 @@ def test_each_load_runs_on_an_engine_of_its_own_rows_and_is_proved_lossless_in_f
     assert [(e["batch"], e["engine_rows"]) for e in block["per_batch"]] == [(1, 1), (2, 2)]  # no dummy rows timed
     for entry in block["per_batch"]:
         for row in entry["settings"]:  # timed in bf16, checked row by row against float32 batched greedy
-            assert row["float32_identical_rows"] == entry["batch"] and row["lossless"] is True
+            assert row["float32_identical_rows"] == row["rows"] == entry["batch"] * entry["waves"] and row["lossless"] is True
 
 
 def test_ngram_false_skips_the_baseline(tmp_path, model_dir, drafter):

@@ -40,12 +40,13 @@ def test_the_block_measures_each_batch_and_recommends(tmp_path):
     assert opened == [1, 4]  # an engine per load, of exactly B rows (no dummy rows computed beside B requests)
     assert [entry["engine_rows"] for entry in block["per_batch"]] == [1, 4]
     assert block["settings"] == ["chain 3", "chain 2", "tree 2-2-4", "n-gram 3"]  # the sweep's chain and tree batched too
-    for entry, batch in zip(block["per_batch"], [1, 4]):
-        assert entry["batch"] == batch and entry["distinct_prompts"] == min(batch, 3)
-        assert entry["greedy"]["new_tokens"] == 12 * batch
+    for entry, batch, waves in zip(block["per_batch"], [1, 4], [3, 1]):
+        # every load decodes every prompt: B = 1 in three waves, B = 4 in one (the first prompt twice)
+        assert entry["batch"] == batch and entry["waves"] == waves and entry["distinct_prompts"] == 3
+        assert entry["greedy"]["new_tokens"] == 12 * batch * waves
         for row in entry["settings"]:
-            assert row["rows"] == batch and row["new_tokens"] == 12 * batch
-            assert row["lossless"] and row["identical_rows"] == batch  # float32: each row is its greedy
+            assert row["rows"] == batch * waves and row["new_tokens"] == 12 * batch * waves
+            assert row["lossless"] and row["identical_rows"] == batch * waves  # float32: each row is its greedy
             assert row["speedup"] == pytest.approx(row["tokens_per_s"] / entry["greedy"]["tokens_per_s"])
             assert row["per_request_tokens_per_s"] == pytest.approx(row["tokens_per_s"] / batch)
             assert 1.0 <= row["mean_acceptance_length"] <= row["steps"] + 1
@@ -55,6 +56,15 @@ def test_the_block_measures_each_batch_and_recommends(tmp_path):
         chain = recommend([r for r in entry["settings"] if r["kind"] == "chain"])
         assert (entry["chain"] or {}).get("label") == (chain or {}).get("label")  # the schedules' chain at this load
     json.dumps(block)  # the JSON holds it as is
+
+
+def test_every_load_decodes_every_prompt_in_waves():
+    from eyrie.bench.concurrency import prompt_waves
+
+    encoded = [(f"p{i}", [i]) for i in range(5)]
+    assert prompt_waves(encoded, 1) == [[[i]] for i in range(5)]
+    assert prompt_waves(encoded, 2) == [[[0], [1]], [[2], [3]], [[4], [0]]]  # the last wave filled from the first prompts
+    assert prompt_waves(encoded, 8) == [[[0], [1], [2], [3], [4], [0], [1], [2]]]  # a load larger than P repeats them
 
 
 def test_off_by_default_with_the_reason():

@@ -1,9 +1,10 @@
 """The benchmark JSON's `concurrency` block: greedy, the drafter's chain(s) and prompt lookup decoding B requests at
 once (eyrie.decoding.batched_speculative) for each B of bench.concurrency, and the setting recommended per load.
 
-Per B: the first B prompts (repeated in order when there are fewer: `distinct_prompts` says how many were), mixed
-lengths as they come, decoded by batched greedy and by each setting on the same engine. Figures: output tok/s in total
-and per request (total / B), mean acceptance (tokens emitted per row-round, the bonus counted), speedup over batched
+Per B: every prompt, in waves of B (ceil(P / B) batches; the last wave, or a load larger than P, filled by repeating
+prompts from the first: `waves` and `distinct_prompts` say so), mixed lengths as they come, decoded by batched greedy
+and by each setting on the same engine, so every load's figures cover the same prompts. Figures, summed over the
+waves: output tok/s in total and per request (total / B), mean acceptance (tokens emitted per row-round, the bonus counted), speedup over batched
 greedy at that B, and losslessness: each row's tokens equal that row's greedy tokens, in float32 (timed in another
 dtype, the decodes run again on a float32 copy, as the batch-1 benchmark's float32 check does).
 
@@ -51,8 +52,11 @@ def verify_rows(setting: dict) -> int:
     return setting["draft_tokens"] if setting["kind"] == "tree" else setting["draft_tokens"] + 1
 
 
-def batch_prompts(encoded: list[tuple[str, list[int]]], batch: int) -> list[list[int]]:
-    return [encoded[i % len(encoded)][1] for i in range(batch)]
+def prompt_waves(encoded: list[tuple[str, list[int]]], batch: int) -> list[list[list[int]]]:
+    """Batches of `batch` prompts that decode every prompt at least once: ceil(P / B) of them, filled in order,
+    wrapping to the first prompts."""
+    count = max(1, -(-len(encoded) // batch))
+    return [[encoded[(wave * batch + i) % len(encoded)][1] for i in range(batch)] for wave in range(count)]
 
 
 def _greedy(engine, prompts, max_new_tokens: int, stop_ids):
@@ -61,10 +65,11 @@ def _greedy(engine, prompts, max_new_tokens: int, stop_ids):
     return [trimmed(r, stop_ids) for r in rows], time.perf_counter() - start
 
 
-def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens: int) -> list[BatchedSpeculative]:
+def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens: int, width: int | None = None) -> list[BatchedSpeculative]:
     """One decoder per setting, with the engine grown to the largest setting's cache first and each setting's round
-    graphs captured (BatchedSpeculative.prepare): nothing is allocated or captured inside a timed decode."""
-    width = max(len(p) for p in prompts)
+    graphs captured (BatchedSpeculative.prepare): nothing is allocated or captured inside a timed decode. width: the
+    longest prompt any batch of this size will bring (default: the longest of `prompts`)."""
+    width = width or max(len(p) for p in prompts)
     decoders = []
     for setting in settings:
         if setting["kind"] == "tree":
@@ -79,38 +84,50 @@ def decoders_for(engine, drafter, settings: list[dict], prompts, max_new_tokens:
     return decoders
 
 
-def measure_batch(engine, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids) -> tuple[dict, list[dict]]:
-    """(greedy's figures, each setting's) at B = len(prompts), each warmed up once untimed first."""
-    decoders = decoders_for(engine, drafter, settings, prompts, max_new_tokens)
-    _greedy(engine, prompts, WARMUP_TOKENS, stop_ids)
-    greedy_tokens, greedy_seconds = _greedy(engine, prompts, max_new_tokens, stop_ids)
-    batch, total = len(prompts), sum(len(t) for t in greedy_tokens)
+def measure_batch(engine, drafter, settings: list[dict], waves: list[list[list[int]]], max_new_tokens: int, stop_ids) -> tuple[dict, list[dict]]:
+    """(greedy's figures, each setting's) at B = len(waves[0]), summed over the waves, each decoder warmed up once untimed first."""
+    width = max(len(p) for wave in waves for p in wave)
+    decoders = decoders_for(engine, drafter, settings, waves[0], max_new_tokens, width)
+    _greedy(engine, waves[0], WARMUP_TOKENS, stop_ids)
+    greedy_paths, greedy_seconds = [], 0.0
+    for prompts in waves:
+        tokens, seconds = _greedy(engine, prompts, max_new_tokens, stop_ids)
+        greedy_paths.append(tokens)
+        greedy_seconds += seconds
+    batch, total = len(waves[0]), sum(len(t) for tokens in greedy_paths for t in tokens)
     greedy = {"tokens_per_s": total / greedy_seconds, "per_request_tokens_per_s": total / greedy_seconds / batch, "new_tokens": total,
               "seconds": greedy_seconds}
     rows = []
     for setting, decoder in zip(settings, decoders):
-        decoder.generate(prompts, WARMUP_TOKENS, stop_ids, setting["steps"])
-        result = decoder.generate(prompts, max_new_tokens, stop_ids, setting["steps"])
-        produced = sum(len(t) for t in result.tokens)
-        row_rounds = sum(len(lengths) for lengths in result.acceptance_lengths)
-        emitted = sum(sum(lengths) for lengths in result.acceptance_lengths)
-        tokens_per_s = produced / result.seconds
+        decoder.generate(waves[0], WARMUP_TOKENS, stop_ids, setting["steps"])
+        produced = seconds = rounds = row_rounds = emitted = identical = 0
+        for prompts, greedy_tokens in zip(waves, greedy_paths):
+            result = decoder.generate(prompts, max_new_tokens, stop_ids, setting["steps"])
+            produced += sum(len(t) for t in result.tokens)
+            seconds += result.seconds
+            rounds += result.rounds
+            row_rounds += sum(len(lengths) for lengths in result.acceptance_lengths)
+            emitted += sum(sum(lengths) for lengths in result.acceptance_lengths)
+            identical += sum(a == b for a, b in zip(result.tokens, greedy_tokens))
+        tokens_per_s = produced / seconds
         rows.append({**setting, "tokens_per_s": tokens_per_s, "per_request_tokens_per_s": tokens_per_s / batch, "new_tokens": produced,
-                     "seconds": result.seconds, "rounds": result.rounds, "round_ms": 1000 * result.seconds / max(result.rounds, 1),
+                     "seconds": seconds, "rounds": rounds, "round_ms": 1000 * seconds / max(rounds, 1),
                      "mean_acceptance_length": emitted / row_rounds if row_rounds else None,
                      "speedup": tokens_per_s / greedy["tokens_per_s"],
-                     "identical_rows": sum(a == b for a, b in zip(result.tokens, greedy_tokens)), "rows": batch})
+                     "identical_rows": identical, "rows": batch * len(waves)})
     return greedy, rows
 
 
-def float32_identical(model, drafter, settings: list[dict], prompts, max_new_tokens: int, stop_ids, open_engine) -> list[int]:
-    """Per setting: rows whose float32 tokens equal float32 batched greedy's (a float32 copy of the target and drafter)."""
+def float32_identical(model, drafter, settings: list[dict], waves: list[list[list[int]]], max_new_tokens: int, stop_ids, open_engine) -> list[int]:
+    """Per setting: rows (over all waves) whose float32 tokens equal float32 batched greedy's (a float32 copy of the target and drafter)."""
     model32, drafter32 = copy.deepcopy(model).float(), copy.deepcopy(drafter).float()
     # Graphed on a GPU as the timed decodes are: eagerly, launch-bound float32 rounds made this check most of the block.
-    engine = open_engine(model32, len(prompts))
-    greedy, _ = _greedy(engine, prompts, max_new_tokens, stop_ids)
-    decoders = decoders_for(engine, drafter32, settings, prompts, max_new_tokens)
-    return [sum(a == b for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["steps"]).tokens, greedy))
+    engine = open_engine(model32, len(waves[0]))
+    width = max(len(p) for wave in waves for p in wave)
+    greedy = [_greedy(engine, prompts, max_new_tokens, stop_ids)[0] for prompts in waves]
+    decoders = decoders_for(engine, drafter32, settings, waves[0], max_new_tokens, width)
+    return [sum(a == b for prompts, reference in zip(waves, greedy)
+                for a, b in zip(d.generate(prompts, max_new_tokens, stop_ids, s["steps"]).tokens, reference))
             for s, d in zip(settings, decoders)]
 
 
@@ -177,7 +194,7 @@ def sglang_adaptive_flags(adaptive: dict | None, config_path: str = ADAPTIVE_CON
 
 
 def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids, sweep: list = (), drafter_dir=None) -> dict:
-    """The `concurrency` block: {batches, settings, per_batch [{batch, engine_rows, distinct_prompts, greedy, settings,
+    """The `concurrency` block: {batches, settings, per_batch [{batch, engine_rows, waves, distinct_prompts, greedy, settings,
     recommended, chain, sglang_flags}], vllm_schedule, vllm_flags, off_reason}. open_engine(model, rows): a BatchedRows of
     exactly `rows` rows on `model` (open_batched_greedy with row_step 1), opened per load: B requests compute B rows."""
     import torch
@@ -193,10 +210,10 @@ def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids,
     block["settings"] = [s["label"] for s in settings]
     capture_failures = []
     for batch in batches:
-        prompts = batch_prompts(encoded, batch)
+        waves = prompt_waves(encoded, batch)
         started = time.perf_counter()
         engine = open_engine(model, batch)
-        greedy, rows = measure_batch(engine, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids)
+        greedy, rows = measure_batch(engine, drafter, settings, waves, cfg["max_new_tokens"], stop_ids)
         engine_rows = engine.rows
         capture_failures += engine.capture_failures
         del engine
@@ -205,17 +222,18 @@ def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids,
         if model.dtype == torch.float32:
             identical = [r["identical_rows"] for r in rows]
         else:
-            identical = float32_identical(model, drafter, settings, prompts, cfg["max_new_tokens"], stop_ids, open_engine)
-        print(f"concurrency B = {batch}: greedy {greedy['tokens_per_s']:.0f} tok/s; "
+            identical = float32_identical(model, drafter, settings, waves, cfg["max_new_tokens"], stop_ids, open_engine)
+        print(f"concurrency B = {batch} ({len(waves)} waves): greedy {greedy['tokens_per_s']:.0f} tok/s; "
               + ", ".join(f"{r['label']} {r['speedup']:.2f}x" for r in rows)
               + f"; measured in {measured - started:.1f} s, float32 check {time.perf_counter() - measured:.1f} s", flush=True)
         free_unused_graphs()  # this B's decoders and float32 copies
         for row, same in zip(rows, identical):
-            row["lossless"] = same == batch
+            row["lossless"] = same == row["rows"]
             row["float32_identical_rows"] = same
         best, chain = recommend(rows), recommend([r for r in rows if r["kind"] == "chain"])
         keys = ("label", "kind", "draft_tokens", "steps", "topk", "speedup")
-        block["per_batch"].append({"batch": batch, "engine_rows": engine_rows, "distinct_prompts": min(batch, len(encoded)), "greedy": greedy, "settings": rows,
+        block["per_batch"].append({"batch": batch, "engine_rows": engine_rows, "waves": len(waves),
+                                   "distinct_prompts": min(batch * len(waves), len(encoded)), "greedy": greedy, "settings": rows,
                                    "recommended": None if best is None else {k: best[k] for k in keys},
                                    "chain": None if chain is None else {k: chain[k] for k in keys},  # the schedules' chain at this load
                                    "recommendation": NO_SPECULATION if best is None else best["label"],
