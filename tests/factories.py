@@ -832,6 +832,7 @@ REPORT_BENCH = {
         "float32_check": {"dtype": "float32", "checked": 2, "identical": 2, "different": [], "lossless": True},
         "agreement_in_timing_dtype": {"dtype": "bfloat16", "identical": 1, "checked": 2, "largest_margin_at_divergence": 0.0712},
         "floor": {"prompt": "s9", "prompt_tokens": 40, "new_tokens": 256, "compiled": True, "floor_ms_per_token": 1.475,
+                  "floor_mode": "max-autotune-no-cudagraphs", "engine_mode": "max-autotune-no-cudagraphs",
                   "greedy_ms_per_token": 1.716, "ratio": 1.716 / 1.475, "capture_failures": [], "error": None},
         "parity": {"k": 4, "simulated": 2.6, "form": "walked_length", "measured": 2.37, "interval": [2.2, 2.55], "gap": 1 - 2.37 / 2.6,
                    "max_gap": 0.15,

@@ -38,7 +38,7 @@ def concurrency_block() -> dict:
         winners = [r for r in rows if r["lossless"] and r["speedup"] > 1]
         best = max(winners, key=lambda r: r["tokens_per_s"], default=None)
         chain = max([r for r in winners if r["kind"] == "chain"], key=lambda r: r["tokens_per_s"], default=None)
-        per_batch.append({"batch": batch, "engine_rows": batch, "distinct_prompts": min(batch, 2), "greedy": {"tokens_per_s": greedy}, "settings": rows,
+        per_batch.append({"batch": batch, "engine_rows": batch, "waves": -(-2 // batch), "distinct_prompts": 2, "greedy": {"tokens_per_s": greedy}, "settings": rows,
                           "recommended": None if best is None else {k: best[k] for k in ("label", "kind", "draft_tokens", "speedup")},
                           "chain": None if chain is None else {k: chain[k] for k in ("label", "kind", "draft_tokens", "speedup")},
                           "recommendation": NO_SPECULATION if best is None else best["label"], "sglang_flags": sglang_flags(best)})
@@ -78,7 +78,8 @@ def test_a_concurrency_block_renders_its_plot_recommendations_and_flags(tmp_path
         assert f"<code>{entry['sglang_flags']}</code>" in text
     assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in text
     assert "none: serve without speculation" in text  # B = 64
-    assert "1.40×" in text and "(2 distinct prompts)" in text
+    assert "1.40×" in text and "(2 distinct prompts)" in text  # B = 4, 16 and 64 repeat the two prompts
+    assert "(2 waves: every prompt)" in text  # B = 1 decodes both, one after the other
     assert block["sglang_adaptive_flags"] in text and "write this to <code>sglang-adaptive.json</code>" in text
     shown = text[text.index('<pre class="cmd">') + len('<pre class="cmd">'):text.index("</pre>", text.index('<pre class="cmd">'))]
     assert json.loads(shown) == {"1": {"candidate_steps": [4]}, "4": {"candidate_steps": [2]}, "16": {"candidate_steps": [0]}, "64": {"candidate_steps": [0]}}

@@ -48,7 +48,7 @@ def concurrency_figures(data: Any, name: str, warnings: list) -> dict[str, Any] 
                                     f"{entry['batch']}: its figures are those of {entry['engine_rows']} rows' work")
         best = entry.get("recommended") if isinstance(entry.get("recommended"), dict) else None
         greedy = entry.get("greedy") if isinstance(entry.get("greedy"), dict) else {}
-        figures["per_batch"].append({"batch": entry["batch"], "distinct_prompts": entry.get("distinct_prompts"),
+        figures["per_batch"].append({"batch": entry["batch"], "distinct_prompts": entry.get("distinct_prompts"), "waves": entry.get("waves"),
                                      "greedy_tokens_per_s": number(greedy.get("tokens_per_s")),
                                      "recommendation": str(entry.get("recommendation") or "no speculation"),
                                      "speedup": number(best.get("speedup")) if best else None,
