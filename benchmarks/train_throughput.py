@@ -14,10 +14,13 @@ process:
     flex+fused-loss  flex+chunked with train.fused_loss: each loss chunk's elementwise work fused by
                   torch.compile (eyrie.training.draft_loss.LossChunks); +compiled: with train.compile too;
                   the weight gradients through plain autograd (train.fused_weight_grads: false)
-    flex+fused-loss+fused-wgrad  what train_drafter runs on CUDA by default: flex+fused-loss with
-                  train.fused_weight_grads (eyrie.training.weight_grads): each trained matrix cast once a
-                  step, each use's weight gradient added to the step's sum by its own product
+    flex+fused-loss+fused-wgrad  flex+fused-loss with train.fused_weight_grads (eyrie.training.weight_grads):
+                  each trained matrix cast once a step, each use's weight gradient added to the step's sum by
+                  its own product
     ...+fused-wgrad-fp32  the same with train.fused_weight_grads: float32 (the layer's sums in float32)
+    ...+fused-norms  flex+fused-loss or flex+fused-loss+fused-wgrad with train.fused_norms: each RMSNorm's
+                  forward and backward math fused by torch.compile (eyrie.drafter.rms_norm.NormKernels);
+                  flex+fused-loss+fused-wgrad+fused-norms is what train_drafter runs on CUDA by default
 
 Each: tokens/s (median step time after warm-up; flex attention and train.compile compile in the
 first warm-up step, so no timed step includes compile time), peak memory
@@ -28,8 +31,8 @@ eyrie's variants), else the figures recorded for it on one H200 (16-19K tok/s, 1
 One summary line per variant, SpecForge's too.
 
     python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
-    python benchmarks/train_throughput.py --variants flex+fused-loss,flex+fused-loss+fused-wgrad --warmup 2 --steps 6 \
-        --specforge .device/specforge/run_specforge.py --out tt.json            # H200: today's path, the default, SpecForge
+    python benchmarks/train_throughput.py --variants flex+fused-loss+fused-wgrad,flex+fused-loss+fused-wgrad+fused-norms \
+        --warmup 2 --steps 6 --specforge .device/specforge/run_specforge.py --out tt.json   # H200: norms eager, the default, SpecForge
     python benchmarks/train_throughput.py --small --variants flex+fused-loss,flex+fused-loss+fused-wgrad --out /tmp/tt.json  # CPU smoke test
     python benchmarks/train_throughput.py --shape pipeline --batch 32 --seq-len 512 \
         --variants flex+chunked,flex+fused-loss --profile flex+fused-loss --out tt_pipeline.json  # the pipeline's drafter (H 576)
@@ -99,11 +102,17 @@ VARIANTS = {
     # train.prompt_label_weight: the prompts' positions trained too (with --prompt-share, the pipeline's mix of prompt and reply)
     "flex+fused-loss+prompts": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
                                     compile=False, fused_loss=True, prompt_label_weight=1.0),
-    # train.fused_weight_grads (eyrie.training.weight_grads.settle's values): the CUDA default, and its float32 sums
+    # train.fused_weight_grads (eyrie.training.weight_grads.settle's values): "compute" (the CUDA default), and float32 sums
     "flex+fused-loss+fused-wgrad": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
                                         compile=False, fused_loss=True, fused_weight_grads="compute"),
     "flex+fused-loss+fused-wgrad-fp32": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
                                              compile=False, fused_loss=True, fused_weight_grads="float32"),
+    # train.fused_norms: the RMSNorms' math through torch.compile; with fused-wgrad, the CUDA default
+    "flex+fused-loss+fused-norms": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True, fused_adam=None,
+                                        compile=False, fused_loss=True, fused_norms=True),
+    "flex+fused-loss+fused-wgrad+fused-norms": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
+                                                    fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
+                                                    fused_norms=True),
 }
 
 
@@ -185,7 +194,8 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     optimizer = make_optimizer(model, 1e-4, 0.0, fused=variant["fused_adam"])
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
                              recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
-                             prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"))
+                             prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"),
+                             fused_norms=variant.get("fused_norms", False))
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
@@ -243,6 +253,8 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         print(f"  {name}: train.compile FELL BACK TO EAGER: {compiled.error}", flush=True)
     if objective.loss_chunks.error is not None:
         print(f"  {name}: train.fused_loss FELL BACK TO EAGER: {objective.loss_chunks.error}", flush=True)
+    if objective.norm_kernels.error is not None:
+        print(f"  {name}: train.fused_norms FELL BACK TO EAGER: {objective.norm_kernels.error}", flush=True)
     if variant.get("fused_weight_grads") and weight_grads.fallback_reason is not None:  # the same sums, slower
         print(f"  {name}: train.fused_weight_grads FELL BACK TO FLOAT32 COPIES: {weight_grads.fallback_reason}", flush=True)
     syncs = host_syncs(functools.partial(one_step, objective, optimizer, batch, target_head, draft_ids, t2d, device)) if cuda else None
@@ -261,6 +273,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
         "dynamo_unique_graphs": _compiled_graphs(),  # cumulative; growing every step would mean flex recompiles
         "compile_fallback": None if compiled is None else compiled.error,  # set: train.compile ran eagerly
         "fused_loss_fallback": objective.loss_chunks.error,  # set: train.fused_loss ran eagerly
+        "fused_norms_fallback": objective.norm_kernels.error,  # set: train.fused_norms ran eagerly
         "fused_weight_grads_fallback": weight_grads.fallback_reason if variant.get("fused_weight_grads") else None,
         "host_syncs": None if syncs is None else sum(syncs.values()),  # CUDA: in one step, by torch.cuda.set_sync_debug_mode
         "host_sync_sites": None if syncs is None else dict(syncs),

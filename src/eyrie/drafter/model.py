@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyrie.core.errors import ConfigError
+from eyrie.drafter.rms_norm import RMSNorm
 from eyrie.target import family
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang loads with --speculative-algorithm EAGLE3; load_drafter refuses any other
@@ -214,45 +215,6 @@ class DrafterShape:
             "d2t": ((self.draft_vocab_size,), torch.int64),
             "t2d": ((self.vocab_size,), torch.bool),
         }
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), saving only x and rsqrt for backward.
-
-    Autograd on the plain formula keeps a float32 copy of x and the normalised x (three times the
-    memory of a bf16 x) for every call: 4 norms x 7 TTT steps of a training step.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) float32
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (xf * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd  # recomputed: cheap next to keeping it
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad_out * normed.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_normed = (grad_out * weight).float()  # the .to(x.dtype) cast passes gradients through
-            grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-            grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_weight, None
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
