@@ -113,6 +113,10 @@ VARIANTS = {
     "flex+fused-loss+fused-wgrad+fused-norms": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                     fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
                                                     fused_norms=True),
+    # and train.compile's pieces (rotary, SiLU * up, residual adds, the norms inside them) on top: what fusing the rest buys
+    "flex+fused-loss+fused-wgrad+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
+                                                 fused_adam=None, compile=True, fused_loss=True, fused_weight_grads="compute",
+                                                 fused_norms=True),
 }
 
 
