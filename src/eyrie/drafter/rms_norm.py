@@ -11,10 +11,11 @@ With fused kernels (NormKernels(fused=True)) the forward math and the backward m
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 from torch import nn
+
+from eyrie.core.fused_pieces import FusedPieces, fuses_on_cuda
 
 
 def _norm_forward(x, weight, eps):
@@ -51,7 +52,7 @@ def _compiled(name: str):
     return torch.compile(PIECES[name], dynamic=True, fullgraph=True)
 
 
-class NormKernels:
+class NormKernels(FusedPieces):
     """The RMSNorm's forward and backward math, eager or fused by torch.compile (train.fused_norms).
 
     Inside an outer torch.compile (train.compile's pieces trace through the norms) the eager math runs: the outer
@@ -60,34 +61,11 @@ class NormKernels:
     """
 
     def __init__(self, fused: bool):
-        self.fused = fused
-        self.error: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.fused and self.error is None
-
-    def _run(self, name: str, *args):
-        if torch.compiler.is_compiling():
-            return PIECES[name](*args)
-        if self.active:
-            try:
-                return _compiled(name)(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 -- inductor and dynamo raise many types; any of them means: run eagerly
-                self.error = f"{name}: {type(exc).__name__}: {exc}".strip()[:2000]
-                warnings.warn(f"train.fused_norms: torch.compile failed, the norms run eagerly (same values, eager speed): {self.error}",
-                              RuntimeWarning, stacklevel=3)
-        return PIECES[name](*args)
+        super().__init__(fused, PIECES, lambda name: _compiled(name), "train.fused_norms", "the norms run eagerly")
 
 
 EAGER_NORMS = NormKernels(fused=False)
-
-
-def fuses_norms(setting, device) -> bool:
-    """train.fused_norms settled for a device: auto fuses on CUDA (Triton), not on a CPU (inductor's C++ compiles slowly)."""
-    return setting is True or (setting == "auto" and torch.device(device).type == "cuda")
+fuses_norms = fuses_on_cuda  # train.fused_norms settled for a device
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -99,7 +77,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, kernels):
-        out, rstd = kernels._run("forward", x, weight, eps)
+        out, rstd = kernels.run("forward", x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.kernels = kernels
         return out
@@ -107,7 +85,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = ctx.kernels._run("backward", x, weight, rstd, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        grad_x, grad_weight = ctx.kernels.run("backward", x, weight, rstd, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_x, grad_weight, None, None
 
 

@@ -13,9 +13,10 @@ keeps only x and logsumexp per row; backward recomputes each chunk's logits.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from eyrie.core.fused_pieces import FusedPieces, fuses_on_cuda
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 25  # logits of one chunk: 32M float32 = 128 MB
 
@@ -52,7 +53,7 @@ def _compiled(name: str):
     return torch.compile(PIECES[name], dynamic=True, fullgraph=True)
 
 
-class LossChunks:
+class LossChunks(FusedPieces):
     """The per-chunk elementwise work of the loss, eager or fused by torch.compile (train.fused_loss).
 
     Eagerly, each chunk's float32 [c, Vd] logits go through about a dozen kernels in forward and backward
@@ -64,38 +65,19 @@ class LossChunks:
     """
 
     def __init__(self, fused: bool):
-        self.fused = fused
-        self.error: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.fused and self.error is None
-
-    def _run(self, name: str, *args):
-        if self.active:
-            try:
-                return _compiled(name)(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 -- inductor and dynamo raise many types; any of them means: run eagerly
-                self.error = f"{name}: {type(exc).__name__}: {exc}".strip()[:2000]
-                warnings.warn(f"train.fused_loss: torch.compile failed, the loss runs eagerly (same values, eager speed): {self.error}",
-                              RuntimeWarning, stacklevel=3)
-        return PIECES[name](*args)
+        super().__init__(fused, PIECES, lambda name: _compiled(name), "train.fused_loss", "the loss runs eagerly")
 
     def forward(self, z, probs, rows, argmax):
-        return self._run("forward", z, probs, rows, argmax)
+        return self.run("forward", z, probs, rows, argmax)
 
     def grad(self, z, probs, rows, lse, grad_loss, dtype):
-        return self._run("grad", z, probs, rows, lse, grad_loss, dtype)
+        return self.run("grad", z, probs, rows, lse, grad_loss, dtype)
 
 
 EAGER = LossChunks(fused=False)
 
 
-def fuses_loss(setting, device) -> bool:
-    """train.fused_loss settled for a device: auto fuses on CUDA (Triton), not on a CPU (inductor's C++ compiles slowly)."""
-    return setting is True or (setting == "auto" and torch.device(device).type == "cuda")
+fuses_loss = fuses_on_cuda  # train.fused_loss settled for a device
 
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
