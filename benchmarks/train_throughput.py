@@ -39,7 +39,7 @@ One summary line per variant, SpecForge's too.
 
 Each variant's line also gives its matrix-product FLOPs per token (forward and backward, every TTT step: fc,
 q/k/v/o, MLP, the draft head, the target head's distribution and attention over the row) and the TFLOP/s that
-implies, against the dense bf16 peak of an H200 (989 TFLOP/s): the roofline ratio at that shape.
+implies, against the dense bf16 peak of an H100 or H200 SXM (989 TFLOP/s, the same for both): the roofline ratio at that shape.
 
 --processes N: data-parallel training, one process against N (torchrun + DDP) on the same global batches of --batch
 rows, one variant (the first of --variants; flex+chunked by default). First the steps in this process on one device,
@@ -120,7 +120,7 @@ VARIANTS = {
 }
 
 
-H200_BF16_DENSE_TFLOPS = 989.0
+HOPPER_BF16_DENSE_TFLOPS = 989.0  # H100 SXM and H200: the same tensor cores, the same dense bf16 peak
 LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # --processes: what every launch gets
 
 
@@ -265,7 +265,7 @@ def measure(name: str, variant: dict, args, dims: dict, device) -> dict:
     if syncs is not None:
         print(f"  {name}: {sum(syncs.values())} host syncs in one step: {dict(syncs.most_common())}", flush=True)
     if cuda and name in args.profile.split(","):
-        profile_steps(name, functools.partial(timed_step, objective, optimizer, batch, target_head, draft_ids, t2d, device))
+        profile_steps(name, functools.partial(timed_step, objective, optimizer, batch, target_head, draft_ids, t2d, device), args.profile_dir)
     step_s = statistics.median(times)
     out = {
         "tokens_per_second": batch["tokens"] / step_s,
@@ -304,8 +304,9 @@ def host_syncs(step) -> collections.Counter:
     return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
-def profile_steps(name: str, step, count: int = 2) -> None:
-    """Where one step's time goes: the top kernels by GPU time and the top host ops by their own CPU time."""
+def profile_steps(name: str, step, folder: str = "", count: int = 2) -> None:
+    """Where one step's time goes: the top kernels by GPU time and the top host ops by their own CPU time; with folder,
+    every kernel's row in <folder>/<name, + as _>.kernels.txt."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -316,6 +317,9 @@ def profile_steps(name: str, step, count: int = 2) -> None:
     print(f"== profile {name} ({count} steps)")
     print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{name.replace('+', '_')}.kernels.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=120))
 
 
 # --------------------------------------------------------------------------- --processes N: data-parallel training
@@ -444,6 +448,7 @@ def main() -> int:
                         "flex+chunked)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for 2 steps after timing (CUDA)")
+    parser.add_argument("--profile-dir", default="", help="with --profile: write every kernel's row of each profile to DIR/<variant, + as _>.kernels.txt")
     parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default the shape's)")
     parser.add_argument("--prompt-share", type=float, default=0.0,
                         help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.27)")
@@ -495,7 +500,7 @@ def main() -> int:
     for name, r in results.items():
         if "tokens_per_second" in r:
             achieved = r["tokens_per_second"] * flops / 1e12
-            print(f"{name:<34} {achieved:>7.1f} TFLOP/s = {achieved / H200_BF16_DENSE_TFLOPS:.1%} of an H200's dense bf16 peak")
+            print(f"{name:<34} {achieved:>7.1f} TFLOP/s = {achieved / HOPPER_BF16_DENSE_TFLOPS:.1%} of the H100/H200 dense bf16 peak")
     print()
     summary_lines(results, specforge)
     return 0 if all("error" not in r for r in results.values()) and (specforge is None or "error" not in specforge) else 1

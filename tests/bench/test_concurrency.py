@@ -58,6 +58,27 @@ def test_the_block_measures_each_batch_and_recommends(tmp_path):
     json.dumps(block)  # the JSON holds it as is
 
 
+def test_a_setting_the_float32_check_rejects_is_not_lossless_and_the_log_says_so(monkeypatch, capsys):
+    """Timed in bf16, the float32 pass decides: a setting with one row unlike greedy's is not lossless, never recommended,
+    and the job's progress line names it."""
+    import torch
+
+    import eyrie.bench.concurrency as concurrency
+
+    model = tree_target(vocab_size=5, seed=3)
+    drafter = random_drafter(model, scale=0.3)
+    encoded = [("p0", [1, 2, 3]), ("p1", [4, 0, 2, 1])]
+    cfg = {"concurrency": [2], "draft_tokens": 2, "max_new_tokens": 6, "ngram": False}
+    monkeypatch.setattr(concurrency, "float32_identical", lambda model, drafter, settings, waves, *rest: [1] + [2] * (len(settings) - 1))
+    block = concurrency_block(model.to(torch.bfloat16), lambda m, rows: open_batched_greedy(m, 0, set(), rows=rows, cuda_graphs=False, row_step=1),
+                              drafter.to(torch.bfloat16), encoded, cfg, set())
+    entry = block["per_batch"][0]
+    chain = entry["settings"][0]
+    assert chain["label"] == "chain 2" and not chain["lossless"] and chain["float32_identical_rows"] == 1 and chain["rows"] == 2
+    assert entry["recommendation"] == NO_SPECULATION  # the only setting is not lossless
+    assert "chain 2" in capsys.readouterr().out.split("NOT lossless: 1/2 rows")[0]
+
+
 def test_every_load_decodes_every_prompt_in_waves():
     from eyrie.bench.concurrency import prompt_waves
 

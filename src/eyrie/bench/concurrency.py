@@ -223,13 +223,15 @@ def concurrency_block(model, open_engine, drafter, encoded, cfg: dict, stop_ids,
             identical = [r["identical_rows"] for r in rows]
         else:
             identical = float32_identical(model, drafter, settings, waves, cfg["max_new_tokens"], stop_ids, open_engine)
-        print(f"concurrency B = {batch} ({len(waves)} waves): greedy {greedy['tokens_per_s']:.0f} tok/s; "
-              + ", ".join(f"{r['label']} {r['speedup']:.2f}x" for r in rows)
-              + f"; measured in {measured - started:.1f} s, float32 check {time.perf_counter() - measured:.1f} s", flush=True)
+        checked = time.perf_counter()
         free_unused_graphs()  # this B's decoders and float32 copies
         for row, same in zip(rows, identical):
             row["lossless"] = same == row["rows"]
             row["float32_identical_rows"] = same
+        print(f"concurrency B = {batch} ({len(waves)} waves): greedy {greedy['tokens_per_s']:.0f} tok/s; "
+              + ", ".join(f"{r['label']} {r['speedup']:.2f}x" + ("" if r["lossless"] else f" (NOT lossless: {r['float32_identical_rows']}/{r['rows']} rows)")
+                          for r in rows)
+              + f"; measured in {measured - started:.1f} s, float32 check {checked - measured:.1f} s", flush=True)
         best, chain = recommend(rows), recommend([r for r in rows if r["kind"] == "chain"])
         keys = ("label", "kind", "draft_tokens", "steps", "topk", "speedup")
         block["per_batch"].append({"batch": batch, "engine_rows": engine_rows, "waves": len(waves),

@@ -1,4 +1,8 @@
-"""Run a Snakemake job's body with its stderr copied to the rule's log file."""
+"""Run a Snakemake job's body with its stdout and stderr copied to the rule's log file.
+
+Both: progress lines (a benchmark's phases, the loads at concurrency) are printed to stdout, and a user reads them in
+logs/<rule>/... as the job runs, not only in Snakemake's own output (a cluster job's file of its own).
+"""
 
 from __future__ import annotations
 
@@ -34,13 +38,13 @@ def job_log(log_path: str | None):
         yield
         return
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    original = sys.stderr
+    original_out, original_err = sys.stdout, sys.stderr
     with open(log_path, "w", encoding="utf-8") as log_file:
-        sys.stderr = _Tee(original, log_file)
+        sys.stdout, sys.stderr = _Tee(original_out, log_file), _Tee(original_err, log_file)
         try:
             yield
         except Exception:
             traceback.print_exc(file=log_file)
             raise
         finally:
-            sys.stderr = original
+            sys.stdout, sys.stderr = original_out, original_err
