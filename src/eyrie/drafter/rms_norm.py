@@ -5,7 +5,9 @@ Eagerly, each call's forward is about 5 kernels (cast, square, mean, rsqrt, prod
 (4 norms x 7 TTT steps) took about 8 ms of a 109 ms step, and the forwards a few ms more
 (`python benchmarks/train_throughput.py --variants flex+fused-loss+fused-wgrad --profile flex+fused-loss+fused-wgrad`).
 With fused kernels (NormKernels(fused=True)) the forward math and the backward math each run through torch.compile
-(inductor): one or a few kernels each. It is the same formula, so the values are equal up to rounding.
+(inductor): one or a few kernels each. It is the same formula, so the values are equal up to rounding. Measured at that
+shape on an H100: 17,848 -> 20,383 tok/s (114.7 -> 100.5 ms a step) at the same peak memory
+(`--variants flex+fused-loss+fused-wgrad,flex+fused-loss+fused-wgrad+fused-norms`).
 """
 
 from __future__ import annotations
