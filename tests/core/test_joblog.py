@@ -32,6 +32,14 @@ def test_a_failure_leaves_its_traceback_in_the_log(tmp_path):
     assert sys.stdout is not None and not hasattr(sys.stdout, "streams")
 
 
+def test_code_needing_a_real_stream_gets_the_terminals(tmp_path):
+    """faulthandler, subprocesses and libraries ask the stream for its fileno, encoding or buffer."""
+    original_encoding = sys.stdout.encoding
+    with job_log(str(tmp_path / "job.log")):
+        assert sys.stdout.encoding == original_encoding
+        assert sys.stderr.buffer is not None
+
+
 def test_no_log_path_runs_the_body_as_is(capsys):
     with job_log(None):
         print("plain")

@@ -31,6 +31,10 @@ class _Tee:
     def isatty(self):
         return self.streams[0].isatty()
 
+    def __getattr__(self, name):
+        # fileno, encoding, buffer, ...: the terminal's, for code that needs a real stream (faulthandler, subprocesses)
+        return getattr(self.streams[0], name)
+
 
 @contextmanager
 def job_log(log_path: str | None):
