@@ -151,14 +151,42 @@ def test_each_matrix_is_cast_once_and_its_uses_gradients_summed_by_the_products(
     """The op census of one bf16 step (9 trained matrices, 3 TTT steps, one loss chunk per TTT step): plain autograd casts
     the 8 layer matrices and fc once (autocast's cache) and their bf16 sums back, the head twice per TTT step, and sums
     the uses with weight-sized adds; the fused path casts each matrix once, the 8 compute-dtype sums back and the head
-    once per TTT step in backward, and adds nothing: each use's product writes into the sum (addmm_)."""
+    once more for all its TTT steps' backwards, and adds nothing: each use's product writes into the sum (addmm_)."""
     plain, fused = census(None, monkeypatch), census("compute", monkeypatch)
     uses = 1 + 7 * TTT + TTT  # fc, the layer's 7 matrices per TTT step, the head's one chunk per TTT step
     assert plain["_to_copy"] == 8 + 8 + 2 * TTT and plain["add"] == 7 * (TTT - 1) + (TTT - 1) and plain["add_"] == TTT
     assert plain["zeros"] == TTT and plain["mm"] == uses  # the head's per-step float32 gradient, zero-filled, then added to
-    assert fused["_to_copy"] == 9 + 8 + TTT
+    assert fused["_to_copy"] == 9 + 8 + 1
     assert fused["add"] == fused["add_"] == fused["zeros"] == 0
     assert fused["mm"] + fused["addmm_"] == uses and fused["mm"] == 9  # a sum's first product writes it, the others add into it
+
+
+def test_the_heads_backwards_share_one_cast_dropped_after_the_last(monkeypatch):
+    """The draft head's TTT steps' backwards (the chunked loss) read one bf16 cast of the head, made by the first of them;
+    the last drops it, so it is not held through the layer's backward."""
+    returned, dropped = [], []
+    real_get, real_done = GradSum.weight_for_backward, GradSum.backward_done
+
+    def weight_for_backward(self, dtype):
+        w = real_get(self, dtype)
+        returned.append((w.data_ptr(), w.dtype, tuple(w.shape)))
+        return w
+
+    def backward_done(self):
+        real_done(self)
+        dropped.append(self.backward_copy is None)
+
+    monkeypatch.setattr(GradSum, "weight_for_backward", weight_for_backward)
+    monkeypatch.setattr(GradSum, "backward_done", backward_done)
+    model = training_drafter(Vd=VD).train()
+    batch, head = tiny_batch()
+    objective = TTTObjective(model, TTT, 0.8, attention="flex", fused_weight_grads="compute")
+    train_step(objective, make_optimizer(model, 1e-3, 0.0), batch, target_lm_head=head, draft_ids=torch.arange(VD) + model.d2t, t2d=model.t2d,
+               max_grad_norm=1e6, use_bf16=True)
+    assert len(returned) == TTT and len(set(returned)) == 1
+    assert returned[0][1:] == (torch.bfloat16, tuple(model.lm_head.weight.shape))
+    assert dropped == [False] * (TTT - 1) + [True]
+    assert model.lm_head.weight.grad is not None and torch.isfinite(model.lm_head.weight.grad).all()
 
 
 def test_a_float32_sum_becomes_the_gradient_without_a_copy(monkeypatch):

@@ -95,7 +95,10 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             lse[a : a + chunk_rows] = lse_chunk
             loss += loss_chunk
             correct += correct_chunk
-        # A step copy (grad_sum) is not kept for backward, which casts grad_sum.weight again: no copy held through backward.
+        # A step copy (grad_sum) is not kept for backward: the head's TTT steps' backwards share one cast of grad_sum.weight,
+        # made by the first of them and dropped after the last (GradSum.weight_for_backward), not held through backward.
+        if grad_sum is not None:
+            grad_sum.expect_backward()
         ctx.save_for_backward(xc, weight if grad_sum is None else None, probs, rows, lse)
         ctx.compute_dtype, ctx.chunk_rows, ctx.x_dtype, ctx.chunks, ctx.grad_sum = compute_dtype, chunk_rows, x.dtype, chunks, grad_sum
         ctx.mark_non_differentiable(correct)
@@ -105,7 +108,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_correct):
         xc, weight, probs, rows, lse = ctx.saved_tensors
         grad_sum = ctx.grad_sum
-        w = (weight if grad_sum is None else grad_sum.weight).to(ctx.compute_dtype)
+        w = weight.to(ctx.compute_dtype) if grad_sum is None else grad_sum.weight_for_backward(ctx.compute_dtype)
         grad_x = torch.empty_like(xc)
         # Without a step's sum: accumulated over chunks in fp32 (at least) here, then by autograd over the TTT steps.
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if grad_sum is None else None
@@ -118,6 +121,9 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
                 grad_w += grad_z.T @ x_chunk
             else:  # one float32 product into the head's sum over the step (eyrie.training.weight_grads)
                 grad_sum.add(grad_z, x_chunk)
+        if grad_sum is not None:
+            del w
+            grad_sum.backward_done()
         grad_x = grad_x.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] and grad_w is not None else None
         return grad_x, grad_w, None, None, None, None, None, None, None
@@ -132,7 +138,7 @@ def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=Non
     argmax: accuracy). The logits are computed in compute_dtype (default x's dtype; the
     autocast dtype under autocast), chunk_rows rows at a time, softmax statistics in float32.
     Gradients flow to x and weight only. chunks: the per-chunk elementwise work, eager or fused (LossChunks).
-    grad_sum: weight is the step's copy of the head (used in forward only; backward casts grad_sum.weight again) and its
+    grad_sum: weight is the step's copy of the head (used in forward only; the backwards share one cast of grad_sum.weight) and its
     gradient goes into this sum, one product per chunk, not through autograd (a weight_grads.GradSum; train.fused_weight_grads).
     """
     if compute_dtype is None:

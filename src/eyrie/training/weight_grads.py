@@ -27,8 +27,11 @@ then the bf16 add), cast to float32 at the end as plain autograd casts its sum. 
 autograd holds at the same time (its bf16 input buffer, its float32 head gradient), so backward holds no more.
 float32_sums (train.fused_weight_grads: float32) sums the layer's in float32 too, Megatron's main_grad: no bf16
 rounding of the sum, at 4 bytes a weight from the first use's backward on where plain autograd's bf16 sum holds 2
-(243M weights at the Llama-3.1-8B drafter shape: 0.49 GB more). The draft head's copy serves the forward's 7 uses;
-backward casts the head again per TTT step, as plain autograd does, so that no copy is held through backward.
+(243M weights at the Llama-3.1-8B drafter shape: 0.49 GB more). The draft head's copy serves the forward's 7 uses
+and is dropped when the forward ends. Its uses' backwards run one after another at the start of backward (the losses
+come after every TTT step's layer): the first casts the head again (GradSum.weight_for_backward), the others reuse that
+cast, and the last drops it, so that no copy is held through the layer's backward and the head is cast once in backward,
+not once per TTT step as plain autograd does (7 casts of 131M weights at the Llama-3.1-8B drafter shape).
 
 The products are plain autograd's; W, AdamW and its float32 state are unchanged. Plain autograd and this path agree to
 bf16 rounding under autocast and to float32 rounding in float32 (tests/training/test_weight_grads.py).
@@ -104,13 +107,35 @@ def add_float32_product(total: torch.Tensor | None, a: torch.Tensor, b: torch.Te
 
 
 class GradSum:
-    """One trained matrix's weight gradient, summed over a step's uses in dtype, and the matrix it goes to."""
+    """One trained matrix's weight gradient, summed over a step's uses in dtype, and the matrix it goes to.
 
-    __slots__ = ("dtype", "weight", "total")
+    For uses that recast the matrix in their backward (the chunked loss: its forward-only step copy is not kept), a
+    cast shared by those backwards: made by the first, dropped after the last (each use registers in its forward).
+    """
+
+    __slots__ = ("dtype", "weight", "total", "backward_copy", "pending_backwards")
 
     def __init__(self, dtype: torch.dtype, weight: torch.Tensor):
         self.dtype, self.weight = dtype, weight
         self.total: torch.Tensor | None = None
+        self.backward_copy: torch.Tensor | None = None
+        self.pending_backwards = 0
+
+    def expect_backward(self) -> None:
+        """A use (in its forward) that will call weight_for_backward and backward_done in its backward."""
+        self.pending_backwards += 1
+
+    def weight_for_backward(self, dtype: torch.dtype) -> torch.Tensor:
+        """The matrix in dtype for a use's backward: cast by the first such backward, the same tensor for the others."""
+        if self.backward_copy is None or self.backward_copy.dtype != dtype:
+            self.backward_copy = self.weight.detach().to(dtype)
+        return self.backward_copy
+
+    def backward_done(self) -> None:
+        """A use's backward has finished with weight_for_backward; after the last, the cast is dropped."""
+        self.pending_backwards -= 1
+        if self.pending_backwards <= 0:
+            self.pending_backwards, self.backward_copy = 0, None
 
     def add(self, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
         """total += grad_out.T @ inputs: grad_out [n, out], inputs [n, in] (a use's output gradient and input rows)."""
