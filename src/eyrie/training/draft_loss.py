@@ -121,7 +121,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
                 grad_w += grad_z.T @ x_chunk
             else:  # one float32 product into the head's sum over the step (eyrie.training.weight_grads)
                 grad_sum.add(grad_z, x_chunk)
-        if grad_sum is not None:
+        if grad_sum is not None:  # the last of the head's backwards frees the shared cast here, before grad_x's cast allocates
             del w
             grad_sum.backward_done()
         grad_x = grad_x.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
