@@ -227,7 +227,7 @@ def test_fastest_ngram_takes_the_quicker_length_and_the_first_on_a_tie():
 # --------------------------------------------------------------------------- the sweep
 
 
-def test_the_sweep_decodes_every_setting_on_the_same_prompts_and_recommends_the_fastest_lossless(tmp_path, model_dir, drafter):
+def test_the_sweep_decodes_every_setting_on_the_same_prompts_and_recommends_the_fastest_lossless(tmp_path, model_dir, drafter, capsys):
     result = run_benchmark(
         target_dir=model_dir, drafter_dir_or_model=drafter, prompts=PROMPTS, benchmark_name="local",
         bench_cfg={**CFG, "max_new_tokens": 6, "min_acceptance_length": 1.0, "decoder": "transformers", "sweep": SWEEP},
@@ -268,6 +268,10 @@ def test_the_sweep_decodes_every_setting_on_the_same_prompts_and_recommends_the_
                                      f"--speculative-eagle-topk {best['topk']} --speculative-num-draft-tokens {best['draft_tokens']}")
     # The main measurement and its gate are what they were without a sweep.
     assert result["draft_tokens"] == 3 and len(result["acceptance_rate_per_position"]) == 3 and result["lossless"] is True
+    # The job's log says which decoder the warm-up (minutes of compiling and tuning on a GPU) has reached, each as it ends.
+    log = capsys.readouterr().out
+    parts = [log.index(f"bench local:   {what}: ") for what in ("greedy", "chain 3", "chain 2", "tree 2-2-4")]
+    assert parts == sorted(parts) and parts[-1] < log.index("bench local: warm-up (compile, capture): ")
 
 
 def test_the_float32_check_decodes_the_sweep_too_and_decides_its_losslessness(tmp_path, model_dir, target, drafter):

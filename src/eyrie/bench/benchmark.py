@@ -35,6 +35,7 @@ from eyrie.bench.parity import measured_interval, parity, parity_prompts, predic
 from eyrie.bench.prompt_files import load_benchmark_prompts
 from eyrie.bench.rounds import acceptance_summary, first_divergence, round_fields
 from eyrie.bench.sweep import check_sweep, decode_settings, sweep_block, verdicts, warm_up, widest_draft
+from eyrie.bench.sweep import label as setting_label  # `label` names the drafter's path in this module
 from eyrie.bench.vocab_reach import outside_draft_vocab
 from eyrie.core.atomic import write_json_atomically
 from eyrie.core.inductor_cache import use_inductor_cache
@@ -108,6 +109,14 @@ class Phases:
         yield
         self.seconds[phase] = round(time.perf_counter() - start, 2)
         print(f"bench {self.name}: {phase}: {self.seconds[phase]:.1f} s", flush=True)
+
+    @contextlib.contextmanager
+    def part(self, what: str):
+        """A part of the running phase, printed as it ends and not kept in the JSON: a warm-up that compiles and tunes
+        for minutes (bench.compile_mode) shows which decoder it has reached."""
+        start = time.perf_counter()
+        yield
+        print(f"bench {self.name}:   {what}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def prompt_row(prompt_id: str, prompt_ids: list[int], plain, spec) -> dict:
@@ -186,12 +195,17 @@ def measure(model, drafter, prompts: list[tuple[str, list[int]]], max_new_tokens
     phases = phases or Phases("measure")
     # Warm up every decoder once, so the first timed prompt pays no one-time costs (allocations, kernel choice, graph capture).
     with phases("warm-up (compile, capture)"):
-        greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
-        speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
+        with phases.part("greedy"):
+            greedy_decode(model, prompts[0][1], WARMUP_TOKENS, stop_ids)
+        with phases.part(f"chain {draft_tokens}"):
+            speculative_decode(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, draft_tokens)
         ngram_rows = {k: [] for k in ngram_draft_tokens or [draft_tokens]} if ngram else {}
         for k in ngram_rows:
-            ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, k)
-        warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, sweep)
+            with phases.part(f"n-gram {k}"):
+                ngram.decode(prompts[0][1], WARMUP_TOKENS, stop_ids, k)
+        for shape in sweep:
+            with phases.part(setting_label(shape)):
+                warm_up(model, drafter, prompts[0][1], WARMUP_TOKENS, stop_ids, [shape])
     rows, sweep_rows = [], [[] for _ in sweep]
     with phases(f"timed decoding ({len(prompts)} prompts)"):
         _decode_all(model, drafter, prompts, max_new_tokens, stop_ids, draft_tokens, ngram, sweep, greedy_paths, sweep_prompts,
