@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eyrie.training import draft_loss
-from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy, fuses_loss
+from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,20 +53,3 @@ def test_a_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
     assert chunks.error == "forward: RuntimeError: simulated inductor failure" and not chunks.active and chunks.fused
     ref_loss, ref_correct, rgx, rgw = _loss_and_grads(EAGER, 13)
     assert (loss, correct) == (ref_loss, ref_correct) and torch.equal(gx, rgx) and torch.equal(gw, rgw)
-
-
-def test_a_run_resumes_across_the_fused_loss_setting():
-    """fused_loss computes the same steps, so it is no part of the run identity that a saved state must match."""
-    from eyrie.training.state import run_identity
-
-    def identity(train):
-        return run_identity([{"ids": ["a"]}], torch.zeros(4, dtype=torch.int64), {}, train, "t" * 64, "f" * 64)
-
-    assert identity({"epochs": 1, "fused_loss": "auto"}) == identity({"epochs": 1, "fused_loss": False}) == identity({"epochs": 1})
-    assert identity({"epochs": 1, "fused_loss": "auto"}) != identity({"epochs": 2, "fused_loss": "auto"})
-
-
-@pytest.mark.parametrize("setting, device, fused", [("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False),
-                                                     (True, "cpu", True), (False, "cuda", False)])
-def test_auto_fuses_on_cuda_only(setting, device, fused):
-    assert fuses_loss(setting, device) is fused

@@ -9,7 +9,7 @@ import torch
 from factories import random_samples, tiny_setup, train_tiny, training_drafter
 
 from eyrie.drafter import rms_norm
-from eyrie.drafter.rms_norm import EAGER_NORMS, NormKernels, RMSNorm, fuses_norms, use_norm_kernels
+from eyrie.drafter.rms_norm import EAGER_NORMS, NormKernels, RMSNorm, use_norm_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,23 +107,6 @@ def test_the_objective_fuses_the_drafter_norms_only_when_asked():
     assert not plain.norm_kernels.fused and model.norm.kernels is EAGER_NORMS
     fused = TTTObjective(model, 3, 0.8, fused_norms=True)
     assert fused.norm_kernels.active and all(m.kernels is fused.norm_kernels for m in model.modules() if isinstance(m, RMSNorm))
-
-
-def test_a_run_resumes_across_the_fused_norms_setting():
-    """fused_norms computes the same steps up to rounding, so it is no part of the run identity that a saved state must match."""
-    from eyrie.training.state import run_identity
-
-    def identity(train):
-        return run_identity([{"ids": ["a"]}], torch.zeros(4, dtype=torch.int64), {}, train, "t" * 64, "f" * 64)
-
-    assert identity({"epochs": 1, "fused_norms": "auto"}) == identity({"epochs": 1, "fused_norms": True}) == identity({"epochs": 1})
-    assert identity({"epochs": 1, "fused_norms": "auto"}) != identity({"epochs": 2, "fused_norms": "auto"})
-
-
-@pytest.mark.parametrize("setting, device, fused", [("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False),
-                                                     (True, "cpu", True), (False, "cuda", False)])
-def test_auto_fuses_on_cuda_only(setting, device, fused):
-    assert fuses_norms(setting, device) is fused
 
 
 def test_a_training_job_with_fused_norms_follows_the_eager_run_and_says_so(tmp_path):
