@@ -197,6 +197,37 @@ def median_seconds(run, device: torch.device, repeats: int) -> tuple[float, list
     return statistics.median(times), times
 
 
+def median_phases(runs: list[dict]) -> dict:
+    """Each phase's median over runs (extract_shard's timings: header, forwards, drain, digest, durable)."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]} if runs else {}
+
+
+def disk_rate(directory: Path, nbytes: int, chunk: int = 256 << 20) -> dict:
+    """What the disk under `directory` takes: nbytes written in chunks by two threads (os.pwrite, as the cache writer
+    writes), then fdatasync. GB/s into the page cache, and to the device (writes + fdatasync), each over all nbytes."""
+    import threading
+
+    path = directory / "disk-probe.bin"
+    data = memoryview(np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes())
+    chunks = max(1, nbytes // chunk)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.ftruncate(fd, chunks * chunk)
+        start = time.perf_counter()
+        threads = [threading.Thread(target=lambda k=k: [os.pwrite(fd, data, i * chunk) for i in range(k, chunks, 2)]) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        cached = time.perf_counter() - start
+        os.fdatasync(fd)
+        durable = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return {"bytes": chunks * chunk, "page_cache_gb_s": chunks * chunk / cached / 1e9, "durable_gb_s": chunks * chunk / durable / 1e9}
+
+
 def matmul_flops(n: int, device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
     """Measured FLOP/s of one n x n x n product (CUDA events on GPU)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -259,10 +290,13 @@ def extract_run(model, shard: Path, workdir: Path, batch_tokens: int, dtype: str
 
     def run():
         out.unlink(missing_ok=True)  # each run writes a fresh file, as the pipeline does
+        timings = {}
         result["manifest"] = extract_shard(
             tokens_path=str(shard), out_path=str(out), model=model, model_fingerprint="synthetic",
             template_sha256=TEMPLATE, aux_layer_ids=aux_ids, batch_tokens=batch_tokens, dtype=dtype, compile=compile, progress=False,
+            timings=timings,
         )
+        result.setdefault("timings", []).append(timings)
 
     return run, result, out
 
@@ -316,6 +350,10 @@ def main() -> int:
         shard = workdir / "tokens.parquet"
         lengths = write_token_shard(shard, tokens, shape["vocab_size"], max_len)
         figures["samples"] = len(lengths)
+        # The disk's own rate at a bf16 cache's size (8H+5 bytes a token): the ceiling on extraction to this disk.
+        figures["disk"] = disk_rate(workdir, tokens * (8 * shape["hidden_size"] + 5))
+        print(f"disk under {workdir}: {figures['disk']['page_cache_gb_s']:.2f} GB/s into the page cache, "
+              f"{figures['disk']['durable_gb_s']:.2f} GB/s to the device (writes + fdatasync, {figures['disk']['bytes'] / 1e9:.2f} GB)", flush=True)
         variants = []
         for bt in batch_sizes:
             variants.append((f"forward_all_hidden@{bt}", lambda bt=bt: (forward_only(model, lengths, bt, device, True), None, None)))
@@ -334,11 +372,13 @@ def main() -> int:
                 if result is not None:
                     entry["bytes_per_token"] = result["manifest"]["bytes_per_token"]
                     entry["file_bytes"] = result["manifest"]["file_bytes"]
+                    entry["phases_s"] = median_phases(result["timings"][1:])  # the timed runs, not the warm-up
                     out.unlink(missing_ok=True)
                 if device.type == "cuda":
                     entry["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 figures["variants"][name] = entry
-                print(f"{name}: {entry['tokens_per_s']:.0f} tok/s (runs {', '.join(f'{t:.3f}' for t in times)} s)", flush=True)
+                print(f"{name}: {entry['tokens_per_s']:.0f} tok/s (runs {', '.join(f'{t:.3f}' for t in times)} s)"
+                      + (f"; the file's time: {', '.join(f'{k} {v:.3f} s' for k, v in entry['phases_s'].items())}" if "phases_s" in entry else ""), flush=True)
             except Exception as exc:  # one failing variant must not cost the others
                 figures["errors"][name] = repr(exc)
                 print(f"{name}: FAILED", flush=True)
@@ -412,6 +452,11 @@ def print_table(figures: dict, batch_sizes: list[int]) -> None:
         ratio = f"{entry['tokens_per_s'] / floor:.2f}" if floor else "n/a"
         size = f"{entry['bytes_per_token']:.0f}" if "bytes_per_token" in entry else ""
         print(f"{name:<28}{entry['tokens_per_s']:>10.0f}{share:>12}{ratio:>8}{size:>10}")
+    disk = figures.get("disk")
+    if disk:
+        ceiling = disk["durable_gb_s"] * 1e9 / (8 * figures["shape"]["hidden_size"] + 5)
+        print(f"the disk's ceiling on a bf16 extraction: {ceiling:.0f} tok/s ({disk['durable_gb_s']:.2f} GB/s durable"
+              + (f", {100 * ceiling / roofline:.1f}% of the roofline)" if roofline else ")"))
     for name, error in figures["errors"].items():
         print(f"{name:<28} FAILED: {error[:200]}")
     print("(a) = forward_all_hidden at the same batch_tokens; (b)/(a) is the extract_bf16 row's 'vs (a)'")
@@ -568,7 +613,7 @@ def header(path: Path) -> bytes:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         head = f.read(size)
-    return re.sub(rb'"eyrie_digest":"xxh3-128:[0-9a-f]{32}"', b'"eyrie_digest":"xxh3-128:' + b"0" * 32 + b'"', head)
+    return re.sub(rb'"eyrie_digest":"xxh3-128-tree:[0-9a-f]{32}"', b'"eyrie_digest":"xxh3-128:' + b"0" * 32 + b'"', head)
 
 
 def row_error(x, y):

@@ -51,7 +51,7 @@ def write_vocab(path: Path) -> Path:
 
 
 def write_cache(path: Path, samples: int = 20, length: int = 50, seed: int = 0, legacy: bool = False, scale: float = 1.0) -> Path:
-    """A cache shard as extraction writes it (eyrie.hidden.cache's writer: manifest and xxh3-128 digest in the header),
+    """A cache shard as extraction writes it (eyrie.hidden.cache's writer: manifest and xxh3-128-tree digest in the header),
     or, with legacy, as eyrie wrote them before digests (safetensors' own writer, manifest only)."""
     T = samples * length
     ids = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(0), dtype=torch.int64).to(torch.int32)  # the same tokens whatever the seed
@@ -105,7 +105,7 @@ def train_in_a_process(tmp_path: Path, arguments: dict) -> subprocess.CompletedP
 
 def test_a_cache_shard_overwritten_with_ff_stops_training_with_a_named_error_and_no_drafter(tmp_path):
     cache = write_cache(tmp_path / "0000.safetensors")
-    assert verify(cache).startswith("xxh3-128:")
+    assert verify(cache).startswith("xxh3-128-tree:")
     overwrite_with_ff(cache)
     done = train_in_a_process(tmp_path, train_args(tmp_path, cache))
     assert done.returncode != 0
@@ -282,7 +282,7 @@ def test_every_writer_records_a_digest_its_reader_checks(tmp_path):
     summary = tmp_path / "summary.json"
     write_json_atomically(summary, {"dataset": "local", "used": 40})
     for path in (prompts, tokens, vocab, cache, summary):
-        assert verify(path).split(":")[0] in ("sha256", "xxh3-128") and verify_artifact(path, require_digest=True) is None
+        assert verify(path).split(":")[0] in ("sha256", "xxh3-128-tree") and verify_artifact(path, require_digest=True) is None
 
     flip_a_byte(prompts)
     with pytest.raises(DigestMismatchError, match=rf"{prompts}: its content does not match .*build_prompts_local job"):

@@ -84,3 +84,44 @@ def test_verify_artifact_checks_a_directory_output_and_its_recorded_files(tmp_pa
     assert verify_artifact(directory, require_digest=True) is None
     (directory / "training_log.json").write_text("[{}]")
     assert "training_log.json: its content does not match the digest" in verify_artifact(directory)
+
+
+def test_the_tree_digest_is_its_blocks_digests_hashed_with_the_length_whatever_the_cores(monkeypatch):
+    """xxh3-128-tree, as the module states it: xxh3-128 over each block's xxh3-128 digest, then the length (8 bytes,
+    little-endian), the placeholder in place; a field that straddles two blocks is patched into both."""
+    import struct
+
+    import xxhash
+
+    from eyrie.core import digest as core_digest
+
+    monkeypatch.setattr(core_digest, "TREE_BLOCK", 64)
+    data = bytes(range(256)) * 3 + b"tail"  # 13 blocks, the last one short
+    hole = core_digest.placeholder(core_digest.XXH3_128_TREE).encode()
+    at = 64 * 5 - 7  # the field runs from block 4 into block 5
+    patched = data[:at] + hole + data[at + len(hole) :]
+    blocks = [xxhash.xxh3_128(patched[i : i + 64]).digest() for i in range(0, len(patched), 64)]
+    expected = "xxh3-128-tree:" + xxhash.xxh3_128(b"".join(blocks) + struct.pack("<Q", len(data))).hexdigest()
+    for cores in (1, 2, 16):
+        monkeypatch.setattr(core_digest.os, "cpu_count", lambda cores=cores: cores)
+        assert core_digest._hash(data, core_digest.XXH3_128_TREE, at) == expected
+    assert core_digest._hash(data, core_digest.XXH3_128, at) != expected  # a different algorithm, not a renamed one
+
+
+def test_a_tree_sealed_safetensors_file_catches_a_change_in_any_block_and_plain_xxh3_files_still_check(tmp_path, monkeypatch):
+    from eyrie.core import digest as core_digest
+
+    monkeypatch.setattr(core_digest, "TREE_BLOCK", 256)
+    for algorithm in (core_digest.XXH3_128_TREE, core_digest.XXH3_128):
+        path = tmp_path / f"{algorithm}.safetensors"
+        write_safetensors_atomically({"w": torch.arange(2000.0)}, path, digest=algorithm)
+        assert verify(path).startswith(f"{algorithm}:")
+        original = path.read_bytes()
+        for at in range(100, len(original), 997):  # a byte in most blocks, the header's included
+            damaged = bytearray(original)
+            damaged[at] ^= 0x01
+            path.write_bytes(bytes(damaged))
+            with pytest.raises(ArtifactError, match=str(path)):
+                check(path, written_by="some_rule")
+        path.write_bytes(original)
+        assert check(path, written_by="some_rule") == verify(path)

@@ -84,7 +84,7 @@ def test_writer_settles_its_own_size_for_any_length(tmp_path):
         writer.close()
         assert path.stat().st_size == manifest["file_bytes"]
         assert read_manifest(path) == manifest
-        assert verify(path) == writer.digest and writer.digest.startswith("xxh3-128:")  # sealed once every byte was written
+        assert verify(path) == writer.digest and writer.digest.startswith("xxh3-128-tree:")  # sealed once every byte was written
         loaded = load_file(str(path))
         assert torch.equal(loaded["a"], values) and loaded["b"].sum() == tokens
 
@@ -269,7 +269,7 @@ def test_an_extracted_cache_records_its_digest_and_a_changed_byte_is_refused_nam
     from eyrie.hidden.cache import HiddenCacheError, convert_cache
 
     source = caches["bf16"][2]
-    assert verify(source).startswith("xxh3-128:")
+    assert verify(source).startswith("xxh3-128-tree:")
     damaged = tmp_path / "0000.safetensors"
     data = bytearray(source.read_bytes())
     data[-100] ^= 0x40

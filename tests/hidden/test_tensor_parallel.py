@@ -73,7 +73,7 @@ def header(path) -> bytes:
     (it is the digest of the values, which differ in their last bits)."""
     raw = path.read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    return re.sub(rb'"eyrie_digest":"xxh3-128:[0-9a-f]{32}"', b'"eyrie_digest":"xxh3-128:' + b"0" * 32 + b'"', raw[: 8 + size])
+    return re.sub(rb'"eyrie_digest":"xxh3-128-tree:[0-9a-f]{32}"', b'"eyrie_digest":"xxh3-128:' + b"0" * 32 + b'"', raw[: 8 + size])
 
 
 def tensors(path) -> dict:

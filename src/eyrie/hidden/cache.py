@@ -6,8 +6,8 @@ from them by eyrie.target.aux_layers (docs/DESIGN.md "Aux layers"), the only own
 One token shard becomes one safetensors file (written by the extract job, eyrie.hidden.extract);
 a JSON manifest in its metadata names the target, the chat template and the layers, so a cache
 from another target, template, layer set or width is refused instead of silently training a
-useless drafter. The header also records the file's xxh3-128 content digest (eyrie.core.digest:
-a check costs one read of the file, where sha256 would cost 15 times the CPU), which the readers
+useless drafter. The header also records the file's xxh3-128-tree content digest (eyrie.core.digest:
+a check costs about one read of the file, hashed on every core), which the readers
 check before using a tensor. This module owns the layout: its storage dtypes and tensors, the
 streaming writer, the readers, the manifest check, and re-storing a cache in another dtype.
 """
@@ -15,14 +15,16 @@ streaming writer, the readers, the manifest check, and re-storing a cache in ano
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from eyrie.core.artifacts import MANIFEST_KEY, ArtifactError, check, load_safetensors, read_safetensors_manifest, rebuild_hint
 from eyrie.core.atomic import write_atomically
-from eyrie.core.digest import DIGEST_KEY, XXH3_128, placeholder, seal
+from eyrie.core.digest import DIGEST_KEY, XXH3_128_TREE, placeholder, seal
 from eyrie.core.errors import ContractError, EyrieError
 from eyrie.target.aux_layers import AuxLayerError, capture_indices
 
@@ -32,7 +34,7 @@ TENSOR_NAMES = ("aux_hidden", "final_hidden", "input_ids", "loss_mask", "offsets
 SCALES = {"aux_hidden": ("aux_scale", 3), "final_hidden": ("final_scale", 1)}
 FP8_SCALES_NOTE = "per token and layer block: absmax / 448, float32; value = float(q) * scale"
 WRITTEN_BY = "extract_hidden"  # the Snakemake rule that writes a cache shard, named in read errors
-DIGEST = XXH3_128  # why not sha256: eyrie.core.digest
+DIGEST = XXH3_128_TREE  # why not sha256, nor one core: eyrie.core.digest
 
 
 class HiddenCacheError(EyrieError):
@@ -144,19 +146,28 @@ class SafetensorsWriter:
         self.file = open(path, "wb")
         self.file.write(struct.pack("<Q", len(header)) + header)
         self.file.truncate(size)
+        self.file.flush()  # from here on every write is a positioned os.pwrite, so threads may write side by side
+        self._count = threading.Lock()
 
     def write_rows(self, name: str, row: int, values) -> None:
-        """Write values (rows of the named tensor, starting at row `row`) at their place in the file."""
+        """Write values (rows of the named tensor, starting at row `row`) at their place in the file; safe from several
+        threads at once (each call writes its own byte range)."""
         import torch
 
         if values.numel() == 0:
             return
         entry = self.entries[name]
         row_bytes = (entry["data_offsets"][1] - entry["data_offsets"][0]) // entry["shape"][0]
-        data = values.contiguous().view(-1).view(torch.uint8).numpy()
-        self.file.seek(self.data_start + entry["data_offsets"][0] + row * row_bytes)
-        self.file.write(memoryview(data))
-        self.written_bytes += data.nbytes
+        data = memoryview(values.contiguous().view(-1).view(torch.uint8).numpy())
+        at, done = self.data_start + entry["data_offsets"][0] + row * row_bytes, 0
+        while done < len(data):  # pwrite may write less than asked (Linux: at most ~2 GiB a call)
+            done += os.pwrite(self.file.fileno(), data[done:], at + done)
+        with self._count:
+            self.written_bytes += len(data)
+
+    def flush_to_disk(self) -> None:
+        """Write the file's dirty pages to the device now (fdatasync), so that the final fsync finds little left."""
+        os.fdatasync(self.file.fileno())
 
     def close(self) -> None:
         """Close the file; when every byte of its data was written, record its content digest (self.digest)."""

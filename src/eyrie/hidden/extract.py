@@ -63,18 +63,23 @@ def plan_token_batches(lengths, batch_tokens: int) -> list[list[int]]:
 
 
 class _BackgroundRows:
-    """Writes each batch's packed rows to the file on a thread, so the device->host copy and the file
-    writes of one batch overlap the next batch's forward.
+    """Writes each batch's packed rows to the file on `threads` threads, so the device->host copies and the file writes
+    overlap the next batches' forwards; and makes the written bytes durable as they come, so the file's final fsync (at
+    8B widths, gigabytes written since the last one) does not wait, alone, for the disk after the last forward.
 
-    At most `depth` batches wait in the queue (put blocks beyond that), which bounds host memory. A
-    failed write is kept, the remaining batches are dropped unwritten, and put/close re-raise it.
+    At most `depth` batches wait in the queue (put blocks beyond that) and one more per thread is being written, which
+    bounds host memory. A failed write is kept, the remaining batches are dropped unwritten, and put/close re-raise it.
+    Every `flush_bytes` written, a flusher thread calls the writer's flush_to_disk (fdatasync) while writing goes on.
     """
 
-    def __init__(self, writer: SafetensorsWriter, depth: int = 2):
-        self.writer, self.error = writer, None
+    def __init__(self, writer: SafetensorsWriter, depth: int = 2, threads: int = 2, flush_bytes: int = 1 << 30):
+        self.writer, self.error, self.flush_bytes = writer, None, flush_bytes
         self.queue = queue.Queue(maxsize=depth)
-        self.thread = threading.Thread(target=self._run, name="eyrie-hidden-writer", daemon=True)
-        self.thread.start()
+        self.unflushed, self.lock, self.flush_wanted, self.closing = 0, threading.Lock(), threading.Event(), False
+        self.threads = [threading.Thread(target=self._run, name=f"eyrie-hidden-writer-{k}", daemon=True) for k in range(threads)]
+        self.flusher = threading.Thread(target=self._flush, name="eyrie-hidden-flusher", daemon=True)
+        for thread in [*self.threads, self.flusher]:
+            thread.start()
 
     def put(self, ready, tensors: dict, placements: list[tuple[int, int, int]]) -> None:
         """tensors: name -> host rows of one batch; placements: (file row, batch row, count); ready: CUDA event or None."""
@@ -92,16 +97,40 @@ class _BackgroundRows:
                 for name, rows in tensors.items():
                     for file_row, batch_row, count in placements:
                         self.writer.write_rows(name, file_row, rows[batch_row : batch_row + count])
+                self._written(sum(rows.nbytes for rows in tensors.values()))
             except BaseException as exc:  # re-raised on the main thread
                 self.error = exc
+
+    def _written(self, nbytes: int) -> None:
+        with self.lock:
+            self.unflushed += nbytes
+            if self.unflushed >= self.flush_bytes:
+                self.unflushed = 0
+                self.flush_wanted.set()
+
+    def _flush(self) -> None:
+        while True:
+            self.flush_wanted.wait()
+            self.flush_wanted.clear()
+            if self.closing:
+                return
+            try:
+                self.writer.flush_to_disk()
+            except BaseException as exc:  # noqa: BLE001 -- re-raised on the main thread
+                self.error = self.error or exc
 
     def _raise(self) -> None:
         if self.error is not None:
             raise HiddenCacheError(f"{self.writer.path}: writing the hidden states failed: {self.error}") from self.error
 
     def close(self, check: bool = True) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.queue.put(None)
+        for thread in self.threads:
+            thread.join()
+        self.closing = True
+        self.flush_wanted.set()
+        self.flusher.join()
         if check:
             self._raise()
 
@@ -170,6 +199,7 @@ def extract_shard(
     compile: bool | str = "auto",
     progress: bool = True,
     writes: bool = True,
+    timings: dict | None = None,
 ) -> dict:
     """Run the target over a token shard and cache aux [T, 3H] and final normed [T, H] states; returns the manifest.
 
@@ -178,6 +208,7 @@ def extract_shard(
     writes False: a tensor-parallel rank other than 0, which runs the same forwards (its share of each
     matrix product, joined by all-reduces) and keeps nothing.
     compile: hidden.compile, auto, True or False (see compile_layers).
+    timings: a dict to receive where the file's time went, in seconds (see _write_cache), for benchmarks.
     """
     shard = _read_shard(tokens_path, template_sha256, batch_tokens)
     compute_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -187,7 +218,7 @@ def extract_shard(
     if not writes:
         _run_forwards(model, shard, manifest)
         return manifest
-    _write_cache(out_path, tokens_path, shard, manifest, model, progress)
+    _write_cache(out_path, tokens_path, shard, manifest, model, progress, timings)
     return manifest
 
 
@@ -360,8 +391,12 @@ def _batch_states(target: TargetStates, x, keep, compiled: bool):
                                f"({type(exc).__name__}: {exc}); hidden.compile: false extracts eagerly") from exc
 
 
-def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict, model, progress: bool) -> None:
-    """The cache file, written whole or not at all: a killed run's leftovers cleared, room checked, states written as they come."""
+def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict, model, progress: bool, timings: dict | None = None) -> None:
+    """The cache file, written whole or not at all: a killed run's leftovers cleared, room checked, states written as they come.
+
+    timings (when given) receives the seconds of: header (the header and the token tensors), forwards (the forward loop, the writes it waited for included),
+    drain (the writes still queued after the last forward), digest (sealing the file), durable (the final fsync and
+    the rename)."""
     from tqdm import tqdm
 
     remove_stale_temporaries(out_path)  # before the room check: a killed run's file counts against the free space
@@ -369,16 +404,20 @@ def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict,
     # Refuse before the first forward: a full disk would otherwise fail the job hours in, at the last batch.
     ensure_room(out_path, shard_bytes(manifest["hidden_size"], dtype_name, manifest["samples"], manifest["tokens"], manifest), dtype_name)
     bar = tqdm(total=manifest["samples"], unit="sample", desc=f"hidden {Path(tokens_path).name}", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
     try:
-        write_atomically(out_path, lambda temporary: _write_file(temporary, shard, manifest, model, bar))
+        write_atomically(out_path, lambda temporary: _write_file(temporary, shard, manifest, model, bar, timings))
     finally:
         bar.close()
+    timings["durable"] = time.perf_counter() - start - sum(timings.get(k, 0.0) for k in ("header", "forwards", "drain", "digest"))
 
 
-def _write_file(temporary: Path, shard: _Shard, manifest: dict, model, bar) -> None:
+def _write_file(temporary: Path, shard: _Shard, manifest: dict, model, bar, timings: dict) -> None:
     """The packed samples, then each batch's states on the writer thread; the size is checked against the manifest's."""
     import torch
 
+    clock = time.perf_counter()
     out_dtype = storage_dtype(manifest["dtype"])
     writer = SafetensorsWriter(temporary, storage_specs(manifest["dtype"], manifest["samples"], manifest["tokens"], manifest["hidden_size"]), manifest)
     rows = _BackgroundRows(writer)
@@ -387,6 +426,7 @@ def _write_file(temporary: Path, shard: _Shard, manifest: dict, model, bar) -> N
         writer.write_rows("offsets", 0, torch.from_numpy(shard.offsets))
         writer.write_rows("input_ids", 0, torch.from_numpy(shard.input_ids))
         writer.write_rows("loss_mask", 0, torch.from_numpy(shard.loss_mask))
+        timings["header"], clock = time.perf_counter() - clock, time.perf_counter()
         if shard.batches:  # a shard without tokens needs no forward, and no target
             start, done_tokens = time.perf_counter(), 0
             device = next(model.parameters()).device
@@ -402,8 +442,11 @@ def _write_file(temporary: Path, shard: _Shard, manifest: dict, model, bar) -> N
             _run_forwards(model, shard, manifest, keep)
         failed = False
     finally:
+        timings["forwards"], clock = time.perf_counter() - clock, time.perf_counter()
         rows.close(check=not failed)
+        timings["drain"], clock = time.perf_counter() - clock, time.perf_counter()
         writer.close()
+        timings["digest"] = time.perf_counter() - clock
     bar.update(manifest["samples"] - bar.n)  # empty samples need no forward
     if temporary.stat().st_size != manifest["file_bytes"]:
         raise HiddenCacheError(f"{temporary}: wrote {temporary.stat().st_size} bytes, expected {manifest['file_bytes']}")

@@ -6,7 +6,7 @@ tensors first, so state.json always names a complete file; older tensor files go
 A state is resumed only by a run of the same inputs and settings (run_identity): the cache's manifests
 and content digests, so a re-extracted cache with the same manifest but other values starts over
 (hidden.mode online: each token shard's digest and the online settings, with the target's fingerprint).
-The tensors file is written with an xxh3-128 digest (eyrie.core.digest): it can reach GBs at 8B widths
+The tensors file is written with an xxh3-128-tree digest (eyrie.core.digest): it can reach GBs at 8B widths
 and is rewritten every few hundred steps.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from eyrie.core.atomic import write_json_atomically, write_safetensors_atomically
-from eyrie.core.digest import XXH3_128, verify
+from eyrie.core.digest import XXH3_128_TREE, verify
 from eyrie.training.metrics import new_window
 
 STATE_JSON = "state.json"
@@ -86,7 +86,7 @@ def save_state(state_dir: Path, run_id: str, record: RunRecord, model, optimizer
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
     name = f"state-{record.step:08d}.safetensors"
-    write_safetensors_atomically(tensors, state_dir / name, digest=XXH3_128)
+    write_safetensors_atomically(tensors, state_dir / name, digest=XXH3_128_TREE)
     meta = {
         "run_id": run_id,
         **asdict(record),
