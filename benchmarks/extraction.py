@@ -452,6 +452,15 @@ def print_table(figures: dict, batch_sizes: list[int]) -> None:
         ratio = f"{entry['tokens_per_s'] / floor:.2f}" if floor else "n/a"
         size = f"{entry['bytes_per_token']:.0f}" if "bytes_per_token" in entry else ""
         print(f"{name:<28}{entry['tokens_per_s']:>10.0f}{share:>12}{ratio:>8}{size:>10}")
+    for name, entry in variants.items():
+        phases = entry.get("phases_s")
+        if phases and phases.get("forwards"):
+            steady = figures["tokens"] / phases["forwards"]
+            tail = sum(phases.get(k, 0.0) for k in ("drain", "digest", "durable"))
+            print(f"{name}: {steady:.0f} tok/s while the forwards run (writes they waited for included)"
+                  + (f" = {100 * steady / roofline:.1f}% of the roofline" if roofline else "")
+                  + f"; then {tail:.2f} s a shard to finish the file (writes {phases.get('drain', 0):.2f}, digest "
+                  f"{phases.get('digest', 0):.2f}, fsync {phases.get('durable', 0):.2f}), whatever the shard's size")
     disk = figures.get("disk")
     if disk:
         ceiling = disk["durable_gb_s"] * 1e9 / (8 * figures["shape"]["hidden_size"] + 5)

@@ -466,3 +466,32 @@ def test_unknown_cache_dtype_is_refused_with_the_choices(target, template, token
 
     with pytest.raises(HiddenCacheError, match="hidden.dtype.*float8_e4m3fn"):
         extract(target, template, token_shard, tmp_path, "bad", batch_tokens=64, dtype="float8_e5m2")
+
+
+def test_background_rows_write_on_several_threads_and_flush_to_disk_as_bytes_accumulate(tmp_path):
+    import threading
+
+    from eyrie.hidden.extract import _BackgroundRows
+
+    class RecordingWriter:
+        path = tmp_path / "x.safetensors"
+
+        def __init__(self):
+            self.rows, self.flushes, self.threads = {}, 0, set()
+
+        def write_rows(self, name, row, values):
+            self.threads.add(threading.current_thread().name)
+            self.rows[(name, row)] = values.clone()
+
+        def flush_to_disk(self):
+            self.flushes += 1
+
+    writer = RecordingWriter()
+    rows = _BackgroundRows(writer, depth=2, threads=2, flush_bytes=4 * 3 * 4)  # a flush every 4 rows of 3 float32
+    batches = [torch.full((2, 3), float(k)) for k in range(20)]
+    for k, batch in enumerate(batches):
+        rows.put(None, {"aux_hidden": batch}, [(2 * k, 0, 1), (2 * k + 1, 1, 1)])
+    rows.close()
+    assert all(torch.equal(writer.rows[("aux_hidden", 2 * k + j)], batch[j : j + 1]) for k, batch in enumerate(batches) for j in (0, 1))
+    assert writer.threads <= {"eyrie-hidden-writer-0", "eyrie-hidden-writer-1"} and writer.threads
+    assert 1 <= writer.flushes <= 10  # 40 rows, one flush wanted per 4: requests that come while one runs are merged

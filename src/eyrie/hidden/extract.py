@@ -69,13 +69,14 @@ class _BackgroundRows:
 
     At most `depth` batches wait in the queue (put blocks beyond that) and one more per thread is being written, which
     bounds host memory. A failed write is kept, the remaining batches are dropped unwritten, and put/close re-raise it.
-    Every `flush_bytes` written, a flusher thread calls the writer's flush_to_disk (fdatasync) while writing goes on.
+    Every `flush_bytes` written (256 MiB: about the most the final fsync finds left, beside what is still being
+    written), a flusher thread calls the writer's flush_to_disk (fdatasync) while writing goes on.
     """
 
-    def __init__(self, writer: SafetensorsWriter, depth: int = 2, threads: int = 2, flush_bytes: int = 1 << 30):
+    def __init__(self, writer: SafetensorsWriter, depth: int = 2, threads: int = 2, flush_bytes: int = 256 << 20):
         self.writer, self.error, self.flush_bytes = writer, None, flush_bytes
         self.queue = queue.Queue(maxsize=depth)
-        self.unflushed, self.lock, self.flush_wanted, self.closing = 0, threading.Lock(), threading.Event(), False
+        self.unflushed, self.lock, self.flush_wanted, self.pending, self.closing = 0, threading.Lock(), threading.Event(), False, False
         self.threads = [threading.Thread(target=self._run, name=f"eyrie-hidden-writer-{k}", daemon=True) for k in range(threads)]
         self.flusher = threading.Thread(target=self._flush, name="eyrie-hidden-flusher", daemon=True)
         for thread in [*self.threads, self.flusher]:
@@ -105,19 +106,21 @@ class _BackgroundRows:
         with self.lock:
             self.unflushed += nbytes
             if self.unflushed >= self.flush_bytes:
-                self.unflushed = 0
+                self.unflushed, self.pending = 0, True
                 self.flush_wanted.set()
 
     def _flush(self) -> None:
         while True:
             self.flush_wanted.wait()
             self.flush_wanted.clear()
+            if self.pending:  # requests that came while a flush ran are one flush: it covers them all
+                self.pending = False
+                try:
+                    self.writer.flush_to_disk()
+                except BaseException as exc:  # noqa: BLE001 -- re-raised on the main thread
+                    self.error = self.error or exc
             if self.closing:
                 return
-            try:
-                self.writer.flush_to_disk()
-            except BaseException as exc:  # noqa: BLE001 -- re-raised on the main thread
-                self.error = self.error or exc
 
     def _raise(self) -> None:
         if self.error is not None:
