@@ -59,8 +59,10 @@ import argparse
 import collections
 import functools
 import gc
+import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -306,7 +308,8 @@ def host_syncs(step) -> collections.Counter:
 
 def profile_steps(name: str, step, folder: str = "", count: int = 2) -> None:
     """Where one step's time goes: the top kernels by GPU time and the top host ops by their own CPU time; with folder,
-    every kernel's row in <folder>/<name, + as _>.kernels.txt."""
+    every kernel's row in <folder>/<name, + as _>.kernels.txt and the timeline of host ops and kernels in
+    <folder>/<name>.trace.json.gz (chrome://tracing or Perfetto: where the GPU waits for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -317,9 +320,36 @@ def profile_steps(name: str, step, folder: str = "", count: int = 2) -> None:
     print(f"== profile {name} ({count} steps)")
     print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    print_gpu_gaps(prof, count)
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"{name.replace('+', '_')}.kernels.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=120))
+        trace = Path(folder) / f"{name.replace('+', '_')}.trace.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
+
+
+def print_gpu_gaps(prof, count: int, shown: int = 10) -> None:
+    """Where the GPU waits for the host: the idle time between kernels a step, and the longest waits by the host op
+    that launched the kernel after them (kernels alone from the profiler's events; the first and last kernel bound it)."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return
+    host_ops = {e.id: e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}  # by correlation id
+    gaps, busy_until = [], kernels[0].time_range.end
+    for before, kernel in zip(kernels, kernels[1:]):
+        gap = kernel.time_range.start - busy_until
+        if gap > 0:
+            gaps.append((gap, kernel.name, host_ops.get(getattr(kernel, "linked_correlation_id", 0), "?"), before.name))
+        busy_until = max(busy_until, kernel.time_range.end)
+    total = sum(g[0] for g in gaps) / 1e3 / count
+    span = (busy_until - kernels[0].time_range.start) / 1e3 / count
+    print(f"GPU idle between kernels: {total:.2f} ms a step of {span:.2f} ms ({len(gaps) / count:.0f} gaps a step); the longest:")
+    for gap, name, op, before in sorted(gaps, reverse=True)[:shown]:
+        print(f"  {gap / 1e3:7.3f} ms before {name[:60]} (launched by {op[:40]}), after {before[:50]}")
 
 
 # --------------------------------------------------------------------------- --processes N: data-parallel training
