@@ -103,6 +103,8 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the synthetic shard (default 32768; 2048 with --small)")
     parser.add_argument("--batch-tokens", type=int, nargs="+", default=None, help="hidden.batch_tokens values (default 4096 16384; 256 1024 with --small)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median reported), after one warm-up")
+    parser.add_argument("--variants", default="", help="comma-separated variant names (without @batch_tokens) to run, e.g. "
+                        "extract_bf16+compiled,forward_last_only+compiled (default: all)")
     parser.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 bf16 matmul (default 8192; 256 with --small)")
     parser.add_argument("--tmpdir", default=None, help="where the shard and caches are written (default: the system temp dir)")
     parser.add_argument("--compile", action="store_true", help="after the eager variants (hidden.compile false): extract_bf16 with "
@@ -364,6 +366,9 @@ def main() -> int:
             bt = batch_sizes[-1]
             variants.append((f"extract_bf16+compiled@{bt}", lambda bt=bt: extract_run(model, shard, workdir, bt, "bfloat16", aux_ids, compile=True)))
             variants.append((f"forward_last_only+compiled@{bt}", lambda bt=bt: (forward_only(model, lengths, bt, device, False), None, None)))
+        if args.variants:
+            wanted = set(args.variants.split(","))
+            variants = [(name, make) for name, make in variants if name.rsplit("@", 1)[0] in wanted]
         for name, make in variants:
             try:
                 run, result, out = make()
