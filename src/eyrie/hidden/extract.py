@@ -398,9 +398,9 @@ def _batch_states(target: TargetStates, x, keep, compiled: bool):
 def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict, model, progress: bool, timings: dict | None = None) -> None:
     """The cache file, written whole or not at all: a killed run's leftovers cleared, room checked, states written as they come.
 
-    timings (when given) receives the seconds of: header (the header and the token tensors), forwards (the forward loop, the writes it waited for included),
-    drain (the writes still queued after the last forward), digest (sealing the file), durable (the final fsync and
-    the rename)."""
+    timings (when given) receives the seconds of: header (the header and the token tensors), forwards (the forward
+    loop, the writes it waited for included), drain (the writes still queued after the last forward), digest (sealing
+    the file), durable (the final fsync and the rename)."""
     from tqdm import tqdm
 
     remove_stale_temporaries(out_path)  # before the room check: a killed run's file counts against the free space
