@@ -292,12 +292,15 @@ def extract_run(model, shard: Path, workdir: Path, batch_tokens: int, dtype: str
 
     def run():
         out.unlink(missing_ok=True)  # each run writes a fresh file, as the pipeline does
-        timings = {}
+        synchronize(next(model.parameters()).device)
+        timings, start = {}, time.perf_counter()
         result["manifest"] = extract_shard(
             tokens_path=str(shard), out_path=str(out), model=model, model_fingerprint="synthetic",
             template_sha256=TEMPLATE, aux_layer_ids=aux_ids, batch_tokens=batch_tokens, dtype=dtype, compile=compile, progress=False,
             timings=timings,
         )
+        # extract_shard's own time, without the deletion of the last run's file above (seconds for tens of GB)
+        result.setdefault("call_s", []).append(time.perf_counter() - start)
         result.setdefault("timings", []).append(timings)
 
     return run, result, out
@@ -378,12 +381,15 @@ def main() -> int:
                     entry["bytes_per_token"] = result["manifest"]["bytes_per_token"]
                     entry["file_bytes"] = result["manifest"]["file_bytes"]
                     entry["phases_s"] = median_phases(result["timings"][1:])  # the timed runs, not the warm-up
+                    entry["extract_shard_s"] = statistics.median(result["call_s"][1:])
+                    entry["extract_shard_tokens_per_s"] = tokens / entry["extract_shard_s"]
                     out.unlink(missing_ok=True)
                 if device.type == "cuda":
                     entry["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 figures["variants"][name] = entry
                 print(f"{name}: {entry['tokens_per_s']:.0f} tok/s (runs {', '.join(f'{t:.3f}' for t in times)} s)"
-                      + (f"; the file's time: {', '.join(f'{k} {v:.3f} s' for k, v in entry['phases_s'].items())}" if "phases_s" in entry else ""), flush=True)
+                      + (f"; extract_shard alone {entry['extract_shard_s']:.3f} s, the file's time: "
+                         f"{', '.join(f'{k} {v:.3f} s' for k, v in entry['phases_s'].items())}" if "phases_s" in entry else ""), flush=True)
             except Exception as exc:  # one failing variant must not cost the others
                 figures["errors"][name] = repr(exc)
                 print(f"{name}: FAILED", flush=True)
@@ -462,6 +468,9 @@ def print_table(figures: dict, batch_sizes: list[int]) -> None:
         if phases and phases.get("forwards"):
             steady = figures["tokens"] / phases["forwards"]
             tail = sum(phases.get(k, 0.0) for k in ("drain", "digest", "durable"))
+            whole = entry["extract_shard_tokens_per_s"]
+            print(f"{name}: extract_shard alone {whole:.0f} tok/s" + (f" = {100 * whole / roofline:.1f}% of the roofline" if roofline else "")
+                  + " (the run's time less the deletion of the previous run's file)")
             print(f"{name}: {steady:.0f} tok/s while the forwards run (writes they waited for included)"
                   + (f" = {100 * steady / roofline:.1f}% of the roofline" if roofline else "")
                   + f"; then {tail:.2f} s a shard to finish the file (writes {phases.get('drain', 0):.2f}, digest "
