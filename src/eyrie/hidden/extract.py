@@ -4,8 +4,8 @@ Samples run in length-sorted, token-budgeted batches (right-padded, no attention
 eyrie.target.states (the forward that online training shares: hooks keep only the three capture
 layers' outputs); only real tokens leave the device, and writer threads put each batch's rows straight
 to their place in the file, and on the disk, while the next batches run: after the last forward only the
-last batches' writes, the digest and a short fsync remain (0.29 s at the Llama-3.1-8B shape on an H100,
-docs/RESULTS.md). The file's layout, its manifest and its readers belong to eyrie.hidden.cache.
+last batches' writes, the digest and a short fsync remain (at the Llama-3.1-8B shape on an H100, 1.2 s after
+the 24 s of forwards of a 2^20-token shard, docs/RESULTS.md). The file's layout, its manifest and its readers belong to eyrie.hidden.cache.
 
 With hidden.compile (auto: on CUDA, for a shard big enough to repay the compile) each of the target's
 decoder layers runs through torch.compile, which fuses the elementwise work between its matrix products;
