@@ -495,3 +495,15 @@ def test_background_rows_write_on_several_threads_and_flush_to_disk_as_bytes_acc
     assert all(torch.equal(writer.rows[("aux_hidden", 2 * k + j)], batch[j : j + 1]) for k, batch in enumerate(batches) for j in (0, 1))
     assert writer.threads <= {"eyrie-hidden-writer-0", "eyrie-hidden-writer-1"} and writer.threads
     assert 1 <= writer.flushes <= 10  # 40 rows, one flush wanted per 4: requests that come while one runs are merged
+
+
+def test_extraction_reports_where_the_files_time_went(target, template, token_shard, tmp_path):
+    import time
+
+    timings = {}
+    start = time.perf_counter()
+    extract(target, template, token_shard, tmp_path, "timed", batch_tokens=64, timings=timings)
+    wall = time.perf_counter() - start
+    assert set(timings) == {"header", "forwards", "drain", "digest", "durable"}
+    assert all(seconds >= 0 for seconds in timings.values()) and timings["forwards"] > 0
+    assert sum(timings.values()) <= wall
