@@ -90,6 +90,30 @@ def test_a_concurrency_block_renders_its_plot_recommendations_and_flags(tmp_path
     assert curves == {label: [settings[label][0] for _, _, settings in MEASURED] for label in ("chain 4", "chain 2", "n-gram 4")}
 
 
+def test_with_the_drafter_the_adaptive_tiers_come_as_a_whole_launch_command_sglang_reads(tmp_path, sglang_parser):
+    import shlex
+
+    from factories import sglang_argv
+
+    drafter = tmp_path / "results" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "torch_dtype": "bfloat16"}))
+    path = tmp_path / "results" / "bench" / "mtbench.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**BATCH_1, "concurrency": concurrency_block()}))
+    out = tmp_path / "report.html"
+    write_report(CONFIG, [], [], [], str(out), drafter=str(drafter), bench=[str(path)])
+    text = html.unescape(section(out.read_text(encoding="utf-8")))
+    assert "and launch SGLang with it:" in text and "with <code>--speculative-draft-model-path</code>" not in text
+    shown = text[text.index("python -m sglang.launch_server"):]
+    command = shlex.split(shown[:shown.index("</pre>")].replace("\\\n", " "))
+    parser, _ = sglang_parser
+    args = parser.parse_args(sglang_argv(command))
+    assert (args.model_path, args.speculative_draft_model_path, args.speculative_algorithm) == ("/models/tiny", str(drafter), "EAGLE3")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (4, 1, None)
+    assert args.speculative_adaptive and args.speculative_adaptive_config == "sglang-adaptive.json" and args.dtype == "bfloat16"
+
+
 def test_a_load_timed_on_more_rows_than_its_requests_is_a_warning(tmp_path):
     block = concurrency_block()
     block["per_batch"][0]["engine_rows"] = 64  # B = 1 decoded beside 63 dummy rows: 64 rows' work, not one request's

@@ -24,7 +24,7 @@ from eyrie.core.disk import free_space
 from eyrie.core.schema import WHEEL_BENCHMARKS
 from eyrie.report.concurrency_section import concurrency_figures
 from eyrie.report.formats import fmt_num, show
-from eyrie.report.serve import serve_command, setting_command
+from eyrie.report.serve import adaptive_command, serve_command, setting_command
 from eyrie.report.values import distinct, number, rate, warn
 from eyrie.target.serving import eagle3_flags
 
@@ -379,6 +379,8 @@ def _bench_row(path: str, warnings: list, config: dict, drafter: str | None) -> 
     sweep = data.get("sweep") if prompts and isinstance(data.get("sweep"), dict) else None
     row["sweep"] = _sweep_figures(sweep, row, config, drafter or data.get("drafter"), warnings) if sweep else None
     row["concurrency"] = concurrency_figures(data.get("concurrency"), name, warnings)  # B requests at once; absent from older JSONs
+    if row["concurrency"] and row["concurrency"]["adaptive_flags"] and (drafter or data.get("drafter")):
+        row["concurrency"].update(adaptive_command(config, drafter or data.get("drafter"), row["concurrency"]["adaptive_flags"]))
     row["acceptance_by_span"] = _span_figures(data.get("acceptance_by_span")) if prompts else None
     by_id = {p["id"]: p for p in (ngram or {}).get("per_prompt", [])}
     for p in row["per_prompt"]:

@@ -21,13 +21,16 @@ ADAPTIVE_FLAG = "--speculative-adaptive-config"
 
 
 def concurrency_figures(data: Any, name: str, warnings: list) -> dict[str, Any] | None:
-    """{off_reason, batches, settings, per_batch, curves, vllm_flags, adaptive_config_json, adaptive_file, adaptive_flags}."""
+    """{off_reason, batches, settings, per_batch, curves, vllm_flags, adaptive_config_json, adaptive_file, adaptive_flags,
+    adaptive_command(_lines, _error)}."""
     if not isinstance(data, dict):
         return None
     off = data.get("off_reason")
     figures: dict[str, Any] = {"off_reason": str(off) if off else None, "batches": [], "settings": [], "per_batch": [], "curves": [],
                                "lossless_dtype": data.get("lossless_dtype"), "vllm_flags": data.get("vllm_flags"),
-                               "adaptive_config_json": None, "adaptive_file": None, "adaptive_flags": data.get("sglang_adaptive_flags")}
+                               "adaptive_config_json": None, "adaptive_file": None, "adaptive_flags": data.get("sglang_adaptive_flags"),
+                               # the whole launch command, added by the bench section where the drafter's directory is known
+                               "adaptive_command": None, "adaptive_command_lines": None, "adaptive_command_error": None}
     entries = [e for e in data.get("per_batch") or [] if isinstance(e, dict) and isinstance(e.get("batch"), int)]
     if off or not entries:
         figures["off_reason"] = figures["off_reason"] or "no batch size was measured"

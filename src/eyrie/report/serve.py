@@ -87,8 +87,30 @@ def setting_command(config: dict, drafter_dir: str, setting: dict) -> dict[str, 
     return {"command": shlex.join(command), "command_lines": _continued_lines(command), "command_error": None}
 
 
-def _launch_command(config: dict, drafter_dir: str, steps: int, topk: int, draft_tokens: int) -> list[str]:
-    """SGLang serving the drafter with --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens."""
+def adaptive_command(config: dict, drafter_dir: str, adaptive_flags: str) -> dict[str, Any]:
+    """{adaptive_command, adaptive_command_lines, adaptive_command_error}: the launch command serving SGLang's adaptive tiers,
+    from the benchmark's flags (eyrie.bench.concurrency.sglang_adaptive_flags: initial steps and topk, the tiers' file)
+    with the drafter's path and the config's own serving settings; no --speculative-num-draft-tokens (SGLang derives it)."""
+    flags = shlex.split(adaptive_flags)
+    values = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag in ("--speculative-num-steps", "--speculative-eagle-topk")}
+    rest, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+        elif flag in ("--speculative-algorithm", *values):
+            skip = True
+        else:
+            rest.append(flag)
+    try:
+        command = _launch_command(config, drafter_dir, int(values["--speculative-num-steps"]), int(values["--speculative-eagle-topk"]), None, rest)
+    except (EyrieError, OSError, ValueError, KeyError, TypeError) as err:
+        return {"adaptive_command": None, "adaptive_command_lines": None, "adaptive_command_error": str(err)}
+    return {"adaptive_command": shlex.join(command), "adaptive_command_lines": _continued_lines(command), "adaptive_command_error": None}
+
+
+def _launch_command(config: dict, drafter_dir: str, steps: int, topk: int, draft_tokens: int | None, extra: list[str] = ()) -> list[str]:
+    """SGLang serving the drafter with --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens
+    (None: left to SGLang), then `extra` flags."""
     sglang = ((config.get("engine") or {}).get("sglang")) or {}
     speculative = {"algorithm": "EAGLE3", "draft_model_path": drafter_dir, "num_steps": steps, "eagle_topk": topk, "num_draft_tokens": draft_tokens}
     return launch_command(
@@ -101,7 +123,7 @@ def _launch_command(config: dict, drafter_dir: str, steps: int, topk: int, draft
         context_length=sglang.get("context_length"),
         speculative=speculative,
         trust_remote_code=_split_and_code(config)["trust_remote_code"],
-        extra_args=sglang.get("extra_args") or (),
+        extra_args=[*(sglang.get("extra_args") or ()), *extra],
     )
 
 
