@@ -105,9 +105,10 @@ def _hash(source: str | Path | bytes, algorithm: str, at: int | None = None) -> 
                 return _hash(b"", algorithm, at)
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 return _hash(memoryview(mapped), algorithm, at)
-    hasher, hole, view = _hasher(algorithm), placeholder(algorithm).encode(), memoryview(source)
+    hole, view = placeholder(algorithm).encode(), memoryview(source)
     if algorithm == XXH3_128_TREE:
         return f"{algorithm}:{_tree_hex(view, at, hole)}"
+    hasher = _hasher(algorithm)
     if at is None:
         hasher.update(view)
     else:
@@ -119,7 +120,8 @@ def _hash(source: str | Path | bytes, algorithm: str, at: int | None = None) -> 
 
 def _tree_hex(view: memoryview, at: int | None, hole: bytes) -> str:
     """xxh3-128-tree of view (the placeholder `hole` in place at offset `at`): xxh3-128 over each TREE_BLOCK's xxh3-128
-    digest, then the length; the blocks hash on a thread each (xxhash releases the GIL), up to one per core, 8 at most."""
+    digest, then the length; the blocks hash on a thread each (xxhash lets go of the GIL while hashing), up to one per
+    core, 8 at most."""
     import xxhash
 
     def block(begin: int) -> bytes:

@@ -5,7 +5,8 @@ eyrie.target.states (the forward that online training shares: hooks keep only th
 layers' outputs); only real tokens leave the device, and writer threads put each batch's rows straight
 to their place in the file, and on the disk, while the next batches run: after the last forward only the
 last batches' writes, the digest and a short fsync remain (at the Llama-3.1-8B shape on an H100, 1.2 s after
-the 24 s of forwards of a 2^20-token shard, docs/RESULTS.md). The file's layout, its manifest and its readers belong to eyrie.hidden.cache.
+the 24 s of forwards of a 2^20-token shard, docs/RESULTS.md). The file's layout, its manifest and its readers
+belong to eyrie.hidden.cache.
 
 With hidden.compile (auto: on CUDA, for a shard big enough to repay the compile) each of the target's
 decoder layers runs through torch.compile, which fuses the elementwise work between its matrix products;
@@ -418,7 +419,7 @@ def _write_cache(out_path: str, tokens_path: str, shard: _Shard, manifest: dict,
 
 
 def _write_file(temporary: Path, shard: _Shard, manifest: dict, model, bar, timings: dict) -> None:
-    """The packed samples, then each batch's states on the writer thread; the size is checked against the manifest's."""
+    """The packed samples, then each batch's states on the writer threads; the size is checked against the manifest's."""
     import torch
 
     clock = time.perf_counter()

@@ -91,16 +91,13 @@ def adaptive_command(config: dict, drafter_dir: str, adaptive_flags: str) -> dic
     """{adaptive_command, adaptive_command_lines, adaptive_command_error}: the launch command serving SGLang's adaptive tiers,
     from the benchmark's flags (eyrie.bench.concurrency.sglang_adaptive_flags: initial steps and topk, the tiers' file)
     with the drafter's path and the config's own serving settings; no --speculative-num-draft-tokens (SGLang derives it)."""
-    flags = shlex.split(adaptive_flags)
-    values = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag in ("--speculative-num-steps", "--speculative-eagle-topk")}
-    rest, skip = [], False
-    for i, flag in enumerate(flags):
-        if skip:
-            skip = False
-        elif flag in ("--speculative-algorithm", *values):
-            skip = True
+    taken = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk")  # _launch_command writes these
+    values, rest, words = {}, [], iter(shlex.split(adaptive_flags))
+    for word in words:
+        if word in taken:
+            values[word] = next(words, None)
         else:
-            rest.append(flag)
+            rest.append(word)
     try:
         command = _launch_command(config, drafter_dir, int(values["--speculative-num-steps"]), int(values["--speculative-eagle-topk"]), None, rest)
     except (EyrieError, OSError, ValueError, KeyError, TypeError) as err:
