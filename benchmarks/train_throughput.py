@@ -115,6 +115,10 @@ VARIANTS = {
     "flex+fused-loss+fused-wgrad+fused-norms": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                     fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
                                                     fused_norms=True),
+    # train.fused_rotary: the rotary on q and k through torch.compile
+    "flex+fused-loss+fused-wgrad+fused-norms+fused-rotary": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
+                                                                 fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
+                                                                 fused_norms=True, fused_rotary=True),
     # and train.compile's pieces (rotary, SiLU * up, residual adds, the norms inside them) on top: what fusing the rest buys
     "flex+fused-loss+fused-wgrad+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                  fused_adam=None, compile=True, fused_loss=True, fused_weight_grads="compute",
@@ -177,11 +181,13 @@ def random_batch(dims: dict, rows: int, length: int, target_head, draft_ids, dev
     row = target_head[token_ids].float()
     final = 10.0 * row / row.norm(dim=-1, keepdim=True) ** 2 + torch.randn(rows, length, H, generator=g, device=device)
     aux = torch.randn(rows, length, 3 * H, generator=g, device=device)
-    loss_mask = torch.ones(rows, length, dtype=torch.bool, device=device)
+    loss_mask = torch.ones(rows, length, dtype=torch.bool)
     loss_mask[:, : max(2, int(prompt_share * length))] = False
+    lengths = torch.full((rows,), length, dtype=torch.long)
     return {
-        "aux": aux.to(dtype), "final": final.to(dtype), "input_ids": token_ids, "loss_mask": loss_mask,
-        "lengths": torch.full((rows,), length, dtype=torch.long, device=device), "tokens": rows * length,
+        "aux": aux.to(dtype), "final": final.to(dtype), "input_ids": token_ids, "loss_mask": loss_mask.to(device),
+        "lengths": lengths.to(device), "tokens": rows * length,
+        "loss_mask_host": loss_mask, "lengths_host": lengths,  # as the pipeline's loader keeps them (eyrie.training.inputs)
     }
 
 
@@ -201,7 +207,7 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
                              recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
                              prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"),
-                             fused_norms=variant.get("fused_norms", False))
+                             fused_norms=variant.get("fused_norms", False), fused_rotary=variant.get("fused_rotary", False))
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
@@ -320,36 +326,57 @@ def profile_steps(name: str, step, folder: str = "", count: int = 2) -> None:
     print(f"== profile {name} ({count} steps)")
     print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    print_gpu_gaps(prof, count)
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{name.replace('+', '_')}.kernels.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=120))
-        trace = Path(folder) / f"{name.replace('+', '_')}.trace.json"
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(folder or scratch) / f"{name.replace('+', '_')}.trace.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+        print_gpu_gaps(json.loads(trace.read_text())["traceEvents"], count)
+        if folder:
+            (Path(folder) / f"{name.replace('+', '_')}.kernels.txt").write_text(
+                events.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=120))
+            with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            trace.unlink()
 
 
-def print_gpu_gaps(prof, count: int, shown: int = 10) -> None:
-    """Where the GPU waits for the host: the idle time between kernels a step, and the longest waits by the host op
-    that launched the kernel after them (kernels alone from the profiler's events; the first and last kernel bound it)."""
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
-                     key=lambda e: e.time_range.start)
-    if not kernels:
+def print_gpu_gaps(events: list[dict], count: int, shown: int = 12) -> None:
+    """Where the GPU waits for the host, from a chrome trace's events: the idle time between device activities a step,
+    summed by the host op whose launch ended each wait (the outermost autograd node, custom Function or compiled
+    region around the launch, else the innermost op), and the longest waits."""
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not device:
         return
-    host_ops = {e.id: e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}  # by correlation id
-    gaps, busy_until = [], kernels[0].time_range.end
-    for before, kernel in zip(kernels, kernels[1:]):
-        gap = kernel.time_range.start - busy_until
+    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops_by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+
+    def launcher(kernel) -> str:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return "?"
+        around = sorted((o for o in ops_by_thread[launch["tid"]] if o["ts"] <= launch["ts"] <= o["ts"] + o.get("dur", 0)), key=lambda o: o["ts"])
+        names = [o["name"] for o in around]
+        outer = [n for n in names if n.startswith(("autograd::engine", "Torch-Compiled Region", "Optimizer.")) or n[:1] == "_"]
+        return (outer[0] if outer else names[-1]) if names else "?"
+
+    gaps, by_op, busy_until = [], collections.Counter(), device[0]["ts"] + device[0].get("dur", 0)
+    for before, kernel in zip(device, device[1:]):
+        gap = kernel["ts"] - busy_until
         if gap > 0:
-            gaps.append((gap, kernel.name, host_ops.get(getattr(kernel, "linked_correlation_id", 0), "?"), before.name))
-        busy_until = max(busy_until, kernel.time_range.end)
-    total = sum(g[0] for g in gaps) / 1e3 / count
-    span = (busy_until - kernels[0].time_range.start) / 1e3 / count
-    print(f"GPU idle between kernels: {total:.2f} ms a step of {span:.2f} ms ({len(gaps) / count:.0f} gaps a step); the longest:")
+            op = launcher(kernel)
+            gaps.append((gap, kernel["name"], op, before["name"]))
+            by_op[op] += gap
+        busy_until = max(busy_until, kernel["ts"] + kernel.get("dur", 0))
+    span = (busy_until - device[0]["ts"]) / 1e3 / count
+    print(f"GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3 / count:.2f} ms a step of {span:.2f} ms ({len(gaps) / count:.0f} gaps a step)")
+    print("  by the host op that launched the next kernel (ms a step):")
+    for op, total in by_op.most_common(shown):
+        print(f"  {total / 1e3 / count:7.3f}  {op[:100]}")
+    print("  the longest:")
     for gap, name, op, before in sorted(gaps, reverse=True)[:shown]:
-        print(f"  {gap / 1e3:7.3f} ms before {name[:60]} (launched by {op[:40]}), after {before[:50]}")
+        print(f"  {gap / 1e3:7.3f} ms before {name[:60]} (launched in {op[:60]}), after {before[:50]}")
 
 
 # --------------------------------------------------------------------------- --processes N: data-parallel training

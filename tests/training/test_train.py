@@ -53,14 +53,17 @@ def test_step_inputs_are_tokens_t_plus_1_plus_j_at_rotary_position_t_plus_j(monk
     seen = []
     original = model.layer_inputs
 
-    def spy(hidden, input_ids, positions):
-        seen.append((input_ids.clone(), positions.clone()))
-        return original(hidden, input_ids, positions)
+    def spy(hidden, input_ids, positions, rotary=None):
+        seen.append((input_ids.clone(), positions.clone(), rotary))
+        return original(hidden, input_ids, positions, rotary)
 
     monkeypatch.setattr(model, "layer_inputs", spy)
     ttt_forward(model, torch.randn(1, L, 96), ids, torch.tensor([L]), steps)
     assert len(seen) == steps
-    for j, (tokens, positions) in enumerate(seen):
+    for j, (tokens, positions, rotary) in enumerate(seen):
+        # the rotary tables handed in (sliced from one table for every step) are those of positions t + j
+        wanted = model.rotary(torch.empty(0), (torch.arange(L) + j)[None])
+        assert rotary is not None and all(torch.equal(a.expand_as(b), b) for a, b in zip(rotary, wanted))
         for t in range(L):
             assert positions[0, t] == t + j
             expected = 100 + t + 1 + j if t + 1 + j < L else 0  # past the end: padding, masked out of the loss
@@ -595,7 +598,8 @@ def test_objective_with_chunked_loss_equals_the_reference_loss():
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model = training_drafter(Vd=40).train()
-    loss, stats = TTTObjective(model, 3, 0.8, attention="flex", chunked_loss=True)(aux, ids, lengths, targets, probs, counts)
+    with_counts = [(valid, row, arg, valid.sum()) for valid, row, arg in targets]
+    loss, stats = TTTObjective(model, 3, 0.8, attention="flex", chunked_loss=True)(aux, ids, lengths, with_counts, probs, counts)
     loss.backward()
     assert torch.allclose(loss, ref_loss, atol=1e-5)
     for j, (loss_j, correct, count) in enumerate(ref_stats):
@@ -660,6 +664,46 @@ def test_flat_position_indices_select_what_bool_masks_select(monkeypatch):
             by_index = ttt_hidden(model, aux, ids, lengths, 3, select=positions_of(select), attention=attention)
             for a, b in zip(by_mask, by_index):
                 assert a.shape == b.shape and a.shape[0] > 0 and torch.equal(a, b), attention
+
+
+@pytest.mark.parametrize("host_copies", [True, False])
+def test_train_step_equals_the_reference_where_argmaxes_fall_outside_the_draft_vocab(host_copies):
+    """train_step selects each step's positions on the host copies of loss_mask and lengths (or reads them back, once,
+    without them) by every test but the argmax's, and zeroes the label rows whose argmax lies outside the draft vocab:
+    its loss, per-step (loss, correct, count) and gradients are the reference's, which selects by the whole mask."""
+    from eyrie.training.objective import TTTObjective, needed_targets, step_targets, target_distribution, train_step, ttt_forward, ttt_loss
+    from eyrie.training.optimizer import make_optimizer
+
+    g = torch.Generator().manual_seed(11)
+    B, L, H, V = 2, 13, 32, 120  # 40 of 120 ids in the draft vocab: most argmaxes fall outside it
+    lengths = torch.tensor([L, L - 4])
+    batch = {"aux": torch.randn(B, L, 3 * H, generator=g), "final": 3 * torch.randn(B, L, H, generator=g),
+             "input_ids": torch.randint(0, V, (B, L), generator=g), "loss_mask": torch.rand(B, L, generator=g) > 0.2,
+             "lengths": lengths, "tokens": int(lengths.sum())}
+    head = torch.randn(V, H, generator=g)
+
+    model = training_drafter(Vd=40).train()
+    draft_ids = torch.arange(40) + model.d2t
+    with torch.no_grad():
+        probs, row, arg = target_distribution(batch["final"], needed_targets(batch["loss_mask"], lengths), head, draft_ids, model.t2d)
+    targets = [step_targets(j, row, arg, batch["loss_mask"], lengths) for j in range(3)]
+    assert ((row >= 0) & (arg < 0)).sum() > 3 and all(t[0].sum() > 0 for t in targets)  # not vacuous
+    ref_loss, ref_stats = ttt_loss(ttt_forward(model, batch["aux"], batch["input_ids"], lengths, 3, select=[t[0] for t in targets]),
+                                   targets, probs, 0.8)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    model = training_drafter(Vd=40).train()
+    if host_copies:
+        batch = {**batch, "loss_mask_host": batch["loss_mask"].clone(), "lengths_host": lengths.clone()}
+    result = train_step(TTTObjective(model, 3, 0.8), make_optimizer(model, 1e-2, 0.0), batch, target_lm_head=head, draft_ids=draft_ids,
+                        t2d=model.t2d, max_grad_norm=1e6, use_bf16=False)
+    assert result["loss"] == pytest.approx(float(ref_loss), rel=1e-5)
+    for (loss_j, correct, count), (ref_loss_j, ref_correct, ref_count) in zip(result["stats"], ref_stats):
+        assert (correct, count) == (ref_correct, ref_count) and loss_j == pytest.approx(ref_loss_j, rel=1e-5)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-4), name
 
 
 # --------------------------------------------------------------------------- train.compile (eyrie.training.compiled_layers)

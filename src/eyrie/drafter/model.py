@@ -38,6 +38,7 @@ from torch import nn
 
 from eyrie.core.errors import ConfigError
 from eyrie.drafter.rms_norm import RMSNorm
+from eyrie.drafter.rotary import EAGER_ROTARY, apply_rotary
 from eyrie.target import family
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang loads with --speculative-algorithm EAGLE3; load_drafter refuses any other
@@ -217,11 +218,6 @@ class DrafterShape:
         }
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rotary(nn.Module):
     """Llama rotary embedding, built with transformers' own initialiser so every rope type matches the target."""
 
@@ -254,21 +250,22 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
+        self.rotary_kernels = EAGER_ROTARY  # a plain attribute (train.fused_rotary): no state, checkpoints unchanged
 
-    def project(self, x, cos, sin, repeat_kv: bool = True):
+    def project(self, x, cos, sin, repeat_kv: bool = True, qk_dtype=None):
         """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA,
-        or (B, kv_h, T, hd) with repeat_kv=False (for kernels that take GQA natively)."""
-        return self.rotary_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, repeat_kv)
+        or (B, kv_h, T, hd) with repeat_kv=False (for kernels that take GQA natively). qk_dtype: q and k rotated into
+        it (None: the dtype the product with cos and sin gives)."""
+        return self.rotary_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, repeat_kv, qk_dtype)
 
-    def rotary_heads(self, q, k, v, cos, sin, repeat_kv: bool = True):
+    def rotary_heads(self, q, k, v, cos, sin, repeat_kv: bool = True, qk_dtype=None):
         """project after its three matrix products: q, k, v (B, T, width) split into heads, rotary on q and k
         (elementwise only: train.compile fuses it, eyrie.training.compiled_layers)."""
         B, T, _ = q.shape
         q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, k, cos, sin, self.rotary_kernels, qk_dtype)
         if not repeat_kv:
             return q, k, v
         repeat = self.heads // self.kv_heads

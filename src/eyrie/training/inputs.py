@@ -129,7 +129,8 @@ class StateSource:
 
 
 def padded_batch(aux: torch.Tensor, final: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, device) -> dict:
-    """The batch dict training reads (StateSource.batch), every tensor on device."""
+    """The batch dict training reads (StateSource.batch), every tensor on device, and the host's loss_mask and lengths
+    (train_step finds the trained positions there without waiting for the GPU)."""
     return {
         "aux": aux.to(device),
         "final": final.to(device),
@@ -137,6 +138,8 @@ def padded_batch(aux: torch.Tensor, final: torch.Tensor, ids: torch.Tensor, mask
         "loss_mask": mask.to(device),
         "lengths": lengths.to(device),
         "tokens": int(lengths.sum()),
+        "loss_mask_host": mask,
+        "lengths_host": lengths,
     }
 
 

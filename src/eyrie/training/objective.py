@@ -29,6 +29,7 @@ import torch
 
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.drafter.rms_norm import NormKernels, use_norm_kernels
+from eyrie.drafter.rotary import RotaryKernels
 from eyrie.training.copyable import COPY_MIN_RUN, copyable_positions
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
 from eyrie.training.weight_grads import StepWeights, step_weights
@@ -87,12 +88,16 @@ def ttt_hidden(
         mask0 = (causal[None] & key_real[:, None, :]).unsqueeze(1)  # (B, 1, Tq, Tk)
     compute_dtype = _autocast_dtype(aux.device)
     hidden = model.project_aux(aux)
+    if compiled is None:  # step j rotates position t by t + j: one table for every step, sliced, not 7 computed
+        # float32, as layer_inputs' own call makes them from its float32 x; it casts them to x's dtype
+        cos_table, sin_table = model.rotary(aux.new_empty(0, dtype=torch.float32), torch.arange(Lp + steps - 1, device=aux.device)[None])
     blocks, keys, values, outs = [], [], [], []
     for j in range(steps):
         tokens = shift_left(input_ids, 1 + j)
         positions = (pos + j).unsqueeze(0).expand(B, Lp)
         if compiled is None:
-            x, cos, sin = model.layer_inputs(hidden, tokens, positions)
+            rotary = (cos_table[:, :, j : j + Lp], sin_table[:, :, j : j + Lp])  # (1, 1, Lp, hd): broadcast over rows and heads
+            x, cos, sin = model.layer_inputs(hidden, tokens, positions, rotary)
             if compute_dtype is not None:  # one cast shared by q, k, v (autocast would keep three copies)
                 x = x.to(compute_dtype)
         else:
@@ -100,8 +105,8 @@ def ttt_hidden(
         if flex:
             from eyrie.training.ttt_attention import flex_ttt_attention
 
-            if compiled is None:
-                q, k, v = attn.project(x, cos, sin, repeat_kv=False)
+            if compiled is None:  # q, k rotated into v's dtype, the cast flex_ttt_attention makes
+                q, k, v = attn.project(x, cos, sin, repeat_kv=False, qk_dtype=compute_dtype)
             else:  # q, k come out in v's dtype: the cast flex_ttt_attention makes, fused into the rotary
                 q, k, v = compiled.project(attn, x, cos, sin, repeat_kv=False, qk_as_v=True)
             keys.append(k)
@@ -130,20 +135,25 @@ def pick_positions(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, where)
 
 
-def positions_of(masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat indices (b * L + t) of each bool mask's True positions, all found with one host sync.
+def positions_of(masks: list[torch.Tensor], device=None) -> list[torch.Tensor]:
+    """Flat indices (b * L + t) of each bool mask's True positions, on device (default: the masks'), found on the host.
 
-    Indexing with a bool mask syncs with the GPU each time (its result's size is data-dependent):
-    with 7 TTT steps and three uses per step that was about 40 stalls per training step. Here the masks
-    (S x B x L bools) are read to the host once, the indices found there and sent back without a wait.
+    Indexing with a bool mask syncs with the GPU each time (its result's size is data-dependent): with 7 TTT steps and
+    three uses per step that was about 40 stalls per training step. Here the masks (S x B x L bools) are read on the
+    host (host masks: no wait at all; device masks: one sync), the indices found there and sent without a wait.
     """
     stacked = torch.stack(masks).flatten(1)  # (S, B*L)
-    host = stacked.cpu()  # the one sync
+    host = stacked.cpu()
     counts = host.sum(1).tolist()
     flat = host.flatten().nonzero().squeeze(1) % host.shape[1]  # step-major, so split by counts
-    if stacked.is_cuda:  # from pinned memory, so the copy does not wait either
-        flat = flat.pin_memory().to(stacked.device, non_blocking=True)
-    return list(flat.split(counts))
+    return list(to_device(flat, stacked.device if device is None else device).split(counts))
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on device; to CUDA from pinned memory, so the copy does not wait for the GPU."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def ttt_forward(model: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int, select=None, **options) -> list[torch.Tensor]:
@@ -189,7 +199,7 @@ def _logits_float32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk_rows: int | None = None,
                         hard_label_weight: float = 0.0):
-    """The target's view at the needed positions s of final [B, L, H].
+    """The target's view at the needed positions s of final [B, L, H] (needed: bool [B, L], or its flat indices, ascending).
 
     lm_head [V, H] is used in its own dtype (bf16 on CUDA: no float32 copy of a 128256 x 4096 head).
 
@@ -202,7 +212,8 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
     """
     B, L, H = final.shape
     Vd = draft_ids.numel()
-    needed_index = needed.flatten().nonzero().squeeze(1)  # one host sync; index_select/index_copy_ below need none
+    # needed: a bool mask (one host sync here), or its flat indices (b * L + t) on final's device (none)
+    needed_index = needed.flatten().nonzero().squeeze(1) if needed.dtype == torch.bool else needed
     rows = final.reshape(B * L, H).index_select(0, needed_index)
     N = rows.shape[0]
     chunk_rows = chunk_rows or _chunk_rows(lm_head.shape[0], final.device)
@@ -257,6 +268,14 @@ def step_targets(j: int, target_row, target_arg, loss_mask, lengths):
     return valid, row, arg
 
 
+def host_selected(j: int, needed: torch.Tensor, trained: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: the positions step j trains by every test of step_targets that the host can make, all but the
+    target's argmax lying in the draft vocabulary (needed = needed_targets(trained, lengths), on the host)."""
+    L = trained.shape[1]
+    return ((torch.arange(L)[None, :] + 2 + j < lengths[:, None]) & shift_left(trained, 2 + j, False)
+            & shift_left(needed, 1 + j, False))
+
+
 def ttt_loss(logits_per_step, targets, target_probs, decay: float):
     """(sum_j decay^j * soft cross-entropy of step j, per-step (loss, correct, count)).
 
@@ -309,6 +328,7 @@ class TTTObjective(torch.nn.Module):
     (eyrie.training.draft_loss.LossChunks); self.loss_chunks.error says why it fell back, if it did.
     fused_norms (train.fused_norms): the drafter's RMSNorms run their forward and backward math through torch.compile
     (eyrie.drafter.rms_norm.NormKernels); self.norm_kernels.error says why they fell back, if they did.
+    fused_rotary (train.fused_rotary): the rotary on q and k likewise (eyrie.drafter.rotary.RotaryKernels).
     fused_weight_grads (train.fused_weight_grads settled, eyrie.training.weight_grads.settle): None, or "compute" or
     "float32": train_step runs each step through eyrie.training.weight_grads (the trained matrices cast once a step,
     their uses' gradients summed by the products; the layer's sums in the compute dtype or in float32).
@@ -317,12 +337,14 @@ class TTTObjective(torch.nn.Module):
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
                  recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False,
                  copy_weight: float = 1.0, prompt_label_weight: float = 0.0, fused_weight_grads: str | None = None,
-                 fused_norms: bool = False):
+                 fused_norms: bool = False, fused_rotary: bool = False):
         super().__init__()
         self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
         self.norm_kernels = NormKernels(fused=fused_norms)
         if fused_norms:
             use_norm_kernels(drafter, self.norm_kernels)
+        self.rotary_kernels = RotaryKernels(fused=fused_rotary)
+        drafter.midlayer.self_attn.rotary_kernels = self.rotary_kernels
         if fused_weight_grads not in (None, "compute", "float32"):
             raise ValueError(f"fused_weight_grads is {fused_weight_grads!r}; expected None, 'compute' or 'float32' (weight_grads.settle)")
         self.fused_weight_grads = fused_weight_grads
@@ -345,17 +367,17 @@ class TTTObjective(torch.nn.Module):
 
         loss = weight * sum_j decay^j * (this rank's loss sum of step j) / counts[j], counts being
         the trained positions of step j over all ranks: DDP averages gradients over ranks, so
-        weight = world size makes the update that of the whole batch on one rank.
+        weight = world size makes the update that of the whole batch on one rank. targets[j]: step j's (selected
+        positions as flat indices, row [B, L], arg [B, L], count: its trained positions of these rows), train_step's.
         """
         model = self.drafter
         outs = ttt_hidden(model, aux, input_ids, lengths, self.steps, select=[t[0] for t in targets],
                           attention=self.attention, recompute_mlp=self.recompute_mlp, compiled=self.compiled)
         loss, stats = 0.0, []
-        for j, (out, (valid, row, arg)) in enumerate(zip(outs, targets)):
-            loss_sum, correct = step_loss_sum(model, out, valid, row, arg, target_probs, self.chunked_loss, self.loss_chunks, self.step_weights)
+        for j, (out, (selected, row, arg, count)) in enumerate(zip(outs, targets)):
+            loss_sum, correct = step_loss_sum(model, out, selected, row, arg, target_probs, self.chunked_loss, self.loss_chunks, self.step_weights)
             loss = loss + (self.decay**j) * loss_sum / counts[j].clamp(min=1).to(loss_sum.dtype)
-            count = torch.full((), float(out.shape[0]), dtype=torch.float64, device=out.device)  # a fill, not a host copy
-            stats.append(torch.stack([loss_sum.detach().double(), correct.double(), count]))
+            stats.append(torch.stack([loss_sum.detach().double(), correct.double(), count.double()]))
         if self.step_weights is not None:
             self.step_weights.end_forward()
         return loss * weight, torch.stack(stats)
@@ -430,17 +452,30 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     steps, decay = inner.steps, inner.decay
     weight = float(batch.get("weight", 1.0))
     lengths, loss_mask = batch["lengths"], batch["loss_mask"]
+    device = loss_mask.device
+    # Which positions are needed and which each step trains, worked out on the host copies (the loader keeps them; else
+    # one sync here): the indices go to the GPU without a wait. Whether the target's argmax at a position lies in the
+    # draft vocabulary is known on the GPU only, so each step selects the positions that pass every other test, and
+    # the label rows of positions whose argmax lies outside are zeroed: they add nothing to a loss, a gradient or a count.
+    host_mask, host_lengths = batch.get("loss_mask_host"), batch.get("lengths_host")
+    if host_mask is None or host_lengths is None:
+        host_mask, host_lengths = loss_mask.cpu(), lengths.cpu()
+    host_trained = trained_tokens(host_mask, host_lengths, inner.prompt_label_weight)
+    host_needed = needed_targets(host_trained, host_lengths)
+    needed_index = to_device(host_needed.flatten().nonzero().squeeze(1), device)
     trained = trained_tokens(loss_mask, lengths, inner.prompt_label_weight)
-    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_targets(trained, lengths), target_lm_head, draft_ids, t2d,
+    target_probs, target_row, target_arg = target_distribution(batch["final"], needed_index, target_lm_head, draft_ids, t2d,
                                                                hard_label_weight=inner.hard_label_weight)
+    target_probs.mul_((target_arg.flatten().index_select(0, needed_index) >= 0).to(target_probs.dtype)[:, None])
     weight_copyable_labels(target_probs, target_row, batch["input_ids"], lengths, target_lm_head.shape[0], inner.copy_weight)
     weight_prompt_labels(target_probs, target_row, loss_mask, inner.prompt_label_weight)
     targets = [step_targets(j, target_row, target_arg, trained, lengths) for j in range(steps)]
-    counts = torch.stack([t[0].sum() for t in targets]).double() * (weight != 0)
+    trained_counts = torch.stack([t[0].sum() for t in targets]).double()  # this rank's, argmax test included
+    counts = trained_counts * (weight != 0)
     if distributed:
         torch.distributed.all_reduce(counts)
-    # Each step's trained positions as flat indices, found once: bool-mask indexing would stall on every use.
-    targets = [(index, row, arg) for index, (_, row, arg) in zip(positions_of([t[0] for t in targets]), targets)]
+    selected = positions_of([host_selected(j, host_needed, host_trained, host_lengths) for j in range(steps)], device)
+    targets = [(index, row, arg, count) for index, (_, row, arg), count in zip(selected, targets, trained_counts)]
     device_type = batch["aux"].device.type
     with inner.weights_for_step(torch.bfloat16 if use_bf16 else torch.float32):  # train.fused_weight_grads, through backward
         with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_bf16):
