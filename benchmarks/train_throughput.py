@@ -115,10 +115,10 @@ VARIANTS = {
     "flex+fused-loss+fused-wgrad+fused-norms": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                     fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
                                                     fused_norms=True),
-    # train.fused_rotary: the rotary on q and k through torch.compile
-    "flex+fused-loss+fused-wgrad+fused-norms+fused-rotary": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
+    # train.fused_pointwise: the rotary on q and k and SiLU * up through torch.compile
+    "flex+fused-loss+fused-wgrad+fused-norms+fused-pointwise": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                                  fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
-                                                                 fused_norms=True, fused_rotary=True),
+                                                                 fused_norms=True, fused_pointwise=True),
     # and train.compile's pieces (rotary, SiLU * up, residual adds, the norms inside them) on top: what fusing the rest buys
     "flex+fused-loss+fused-wgrad+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                  fused_adam=None, compile=True, fused_loss=True, fused_weight_grads="compute",
@@ -207,7 +207,7 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
                              recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
                              prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"),
-                             fused_norms=variant.get("fused_norms", False), fused_rotary=variant.get("fused_rotary", False))
+                             fused_norms=variant.get("fused_norms", False), fused_pointwise=variant.get("fused_pointwise", False))
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 

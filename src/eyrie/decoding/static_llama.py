@@ -46,7 +46,7 @@ from eyrie.decoding.static_common import (
 )
 from eyrie.decoding.static_drafter import StaticEagle3
 from eyrie.drafter.model import Eagle3Drafter
-from eyrie.drafter.rotary import rotate_half
+from eyrie.drafter.pointwise import rotate_half
 from eyrie.target.aux_layers import capture_indices
 
 # Architectures whose decoder layer is exactly Llama's: pre-norm attention (q/k/v/o, biases allowed)

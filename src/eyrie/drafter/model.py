@@ -38,7 +38,7 @@ from torch import nn
 
 from eyrie.core.errors import ConfigError
 from eyrie.drafter.rms_norm import RMSNorm
-from eyrie.drafter.rotary import EAGER_ROTARY, apply_rotary
+from eyrie.drafter.pointwise import EAGER_POINTWISE, apply_rotary, swiglu
 from eyrie.target import family
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang loads with --speculative-algorithm EAGLE3; load_drafter refuses any other
@@ -250,7 +250,7 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
-        self.rotary_kernels = EAGER_ROTARY  # a plain attribute (train.fused_rotary): no state, checkpoints unchanged
+        self.pointwise_kernels = EAGER_POINTWISE  # a plain attribute (train.fused_pointwise): no state, checkpoints unchanged
 
     def project(self, x, cos, sin, repeat_kv: bool = True, qk_dtype=None):
         """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA,
@@ -265,7 +265,7 @@ class DraftAttention(nn.Module):
         q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin, self.rotary_kernels, qk_dtype)
+        q, k = apply_rotary(q, k, cos, sin, self.pointwise_kernels, qk_dtype)
         if not repeat_kv:
             return q, k, v
         repeat = self.heads // self.kv_heads
@@ -308,9 +308,10 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
         self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.pointwise_kernels = EAGER_POINTWISE  # a plain attribute (train.fused_pointwise): no state, checkpoints unchanged
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.pointwise_kernels))
 
 
 class MidLayer(nn.Module):

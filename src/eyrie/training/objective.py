@@ -29,7 +29,7 @@ import torch
 
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.drafter.rms_norm import NormKernels, use_norm_kernels
-from eyrie.drafter.rotary import RotaryKernels
+from eyrie.drafter.pointwise import PointwiseKernels
 from eyrie.training.copyable import COPY_MIN_RUN, copyable_positions
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
 from eyrie.training.weight_grads import StepWeights, step_weights
@@ -328,7 +328,8 @@ class TTTObjective(torch.nn.Module):
     (eyrie.training.draft_loss.LossChunks); self.loss_chunks.error says why it fell back, if it did.
     fused_norms (train.fused_norms): the drafter's RMSNorms run their forward and backward math through torch.compile
     (eyrie.drafter.rms_norm.NormKernels); self.norm_kernels.error says why they fell back, if they did.
-    fused_rotary (train.fused_rotary): the rotary on q and k likewise (eyrie.drafter.rotary.RotaryKernels).
+    fused_pointwise (train.fused_pointwise): the rotary on q and k and the MLP's SiLU * up likewise
+    (eyrie.drafter.pointwise.PointwiseKernels).
     fused_weight_grads (train.fused_weight_grads settled, eyrie.training.weight_grads.settle): None, or "compute" or
     "float32": train_step runs each step through eyrie.training.weight_grads (the trained matrices cast once a step,
     their uses' gradients summed by the products; the layer's sums in the compute dtype or in float32).
@@ -337,14 +338,14 @@ class TTTObjective(torch.nn.Module):
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
                  recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False,
                  copy_weight: float = 1.0, prompt_label_weight: float = 0.0, fused_weight_grads: str | None = None,
-                 fused_norms: bool = False, fused_rotary: bool = False):
+                 fused_norms: bool = False, fused_pointwise: bool = False):
         super().__init__()
         self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
         self.norm_kernels = NormKernels(fused=fused_norms)
         if fused_norms:
             use_norm_kernels(drafter, self.norm_kernels)
-        self.rotary_kernels = RotaryKernels(fused=fused_rotary)
-        drafter.midlayer.self_attn.rotary_kernels = self.rotary_kernels
+        self.pointwise_kernels = PointwiseKernels(fused=fused_pointwise)
+        drafter.midlayer.self_attn.pointwise_kernels = drafter.midlayer.mlp.pointwise_kernels = self.pointwise_kernels
         if fused_weight_grads not in (None, "compute", "float32"):
             raise ValueError(f"fused_weight_grads is {fused_weight_grads!r}; expected None, 'compute' or 'float32' (weight_grads.settle)")
         self.fused_weight_grads = fused_weight_grads

@@ -49,7 +49,7 @@ class RunRecord:
 def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, train_cfg: dict, template_sha256: str, target_fingerprint: str,
                  cache_digests: list[str | None] = ()) -> str:
     """Identity of a training run: what must match for a saved state to be resumed (every train setting but log_every,
-    fused_loss, fused_norms, fused_rotary and fused_weight_grads, which compute the same steps up to rounding: eval_fraction too, since it decides
+    fused_loss, fused_norms, fused_pointwise and fused_weight_grads, which compute the same steps up to rounding: eval_fraction too, since it decides
     which samples train), and the data:
     each shard's manifest and content digest (eyrie.training.inputs.StateSource: a cache shard's, or online a token
     shard's, whose states the target fingerprint pins)."""
@@ -58,7 +58,7 @@ def run_identity(manifests: list[dict], d2t: torch.Tensor, drafter_cfg: dict, tr
         digest.update(json.dumps({k: v for k, v in manifest.items() if k not in ("file_bytes", "bytes_per_token")}, sort_keys=True).encode())
     digest.update(json.dumps(list(cache_digests)).encode())
     digest.update(d2t.numpy().tobytes())
-    settings = {k: v for k, v in train_cfg.items() if k not in ("log_every", "fused_loss", "fused_norms", "fused_rotary", "fused_weight_grads")}
+    settings = {k: v for k, v in train_cfg.items() if k not in ("log_every", "fused_loss", "fused_norms", "fused_pointwise", "fused_weight_grads")}
     digest.update(json.dumps([drafter_cfg, settings, template_sha256, target_fingerprint], sort_keys=True, default=str).encode())
     return digest.hexdigest()
 

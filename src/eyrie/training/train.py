@@ -40,7 +40,7 @@ from eyrie.core.schema import with_defaults
 from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
 from eyrie.drafter.model import Eagle3Drafter
 from eyrie.drafter.rms_norm import fuses_norms
-from eyrie.drafter.rotary import fuses_rotary
+from eyrie.drafter.pointwise import fuses_pointwise
 from eyrie.target.head import TargetHeadError, load_target_head
 from eyrie.training import weight_grads
 from eyrie.training.acceptance import acceptance_line, simulate_acceptance
@@ -76,7 +76,7 @@ class _Run:
     attention: str  # "eager" or "flex" (eyrie.training.ttt_attention)
     fused_loss: bool  # train.fused_loss settled: the loss's elementwise work through torch.compile (eyrie.training.draft_loss)
     fused_norms: bool  # train.fused_norms settled: the RMSNorms' math through torch.compile (eyrie.drafter.rms_norm)
-    fused_rotary: bool  # train.fused_rotary settled: the rotary on q and k through torch.compile (eyrie.drafter.rotary)
+    fused_pointwise: bool  # train.fused_pointwise settled: the rotary and SiLU * up through torch.compile (eyrie.drafter.pointwise)
     fused_weight_grads: str | None  # train.fused_weight_grads settled: None, "compute" or "float32" (eyrie.training.weight_grads)
     ttt_steps: int
     steps_per_epoch: int
@@ -93,7 +93,7 @@ class _Trainer:
     compiled: Any  # the objective's CompiledLayers (train.compile) or None; kept here: DDP hides the objective's attributes
     loss_chunks: Any  # the objective's LossChunks (train.fused_loss), kept here for the same reason
     norm_kernels: Any  # the objective's NormKernels (train.fused_norms), kept here for the same reason
-    rotary_kernels: Any  # the objective's RotaryKernels (train.fused_rotary), likewise
+    pointwise_kernels: Any  # the objective's PointwiseKernels (train.fused_pointwise), likewise
     target_lm_head: torch.Tensor
     draft_ids: torch.Tensor  # target id of each draft id, on the device
     t2d: torch.Tensor
@@ -216,7 +216,7 @@ def _settle_run(inputs: TrainingInputs, drafter_cfg: dict, train_cfg: dict, temp
         attention=attention,
         fused_loss=fuses_loss(train_cfg["fused_loss"], ranks.device),
         fused_norms=fuses_norms(train_cfg["fused_norms"], ranks.device),
-        fused_rotary=fuses_rotary(train_cfg["fused_rotary"], ranks.device),
+        fused_pointwise=fuses_pointwise(train_cfg["fused_pointwise"], ranks.device),
         fused_weight_grads=weight_grads.settle(train_cfg["fused_weight_grads"], ranks.device),
         ttt_steps=int(drafter_cfg["ttt_steps"]),
         steps_per_epoch=steps_per_epoch,
@@ -247,9 +247,9 @@ def _build_trainer(run: _Run, target_dir: str) -> _Trainer:
                              hard_label_weight=float(cfg["hard_label_weight"]), fused_loss=run.fused_loss,
                              copy_weight=float(cfg["copy_weight"]), prompt_label_weight=float(cfg["prompt_label_weight"]),
                              fused_weight_grads=run.fused_weight_grads, fused_norms=run.fused_norms,
-                             fused_rotary=run.fused_rotary)
+                             fused_pointwise=run.fused_pointwise)
     return _Trainer(model, optimizer, objective, objective.compiled, objective.loss_chunks, objective.norm_kernels,
-                    objective.rotary_kernels, target_lm_head,
+                    objective.pointwise_kernels, target_lm_head,
                     draft_ids.to(device), inputs.t2d.to(device))
 
 
@@ -273,7 +273,7 @@ def _plan_line(run: _Run, trainer: _Trainer) -> str:
         + (", layer elementwise work compiled (train.compile)" if trainer.compiled is not None else "")
         + (", loss elementwise work fused (train.fused_loss)" if trainer.loss_chunks.fused else "")
         + (", RMSNorms fused (train.fused_norms)" if trainer.norm_kernels.fused else "")
-        + (", rotary fused (train.fused_rotary)" if trainer.rotary_kernels.fused else "")
+        + (", rotary and SiLU * up fused (train.fused_pointwise)" if trainer.pointwise_kernels.fused else "")
         + ({"compute": ", weight gradients summed by the products (train.fused_weight_grads)",
             "float32": ", weight gradients summed in float32 by the products (train.fused_weight_grads: float32)"}.get(run.fused_weight_grads, ""))
         + (f", {run.ranks.world} ranks" if run.ranks.world > 1 else "")
@@ -304,7 +304,7 @@ def _train_steps(
     noise = float(cfg["hidden_noise"])
     compiled = trainer.compiled
     compile_fallback = None
-    loss_fallback_said = norms_fallback_said = rotary_fallback_said = False
+    loss_fallback_said = norms_fallback_said = pointwise_fallback_said = False
     last_save = time.perf_counter()
     trainer.model.train()
     states = run.inputs.states
@@ -344,10 +344,10 @@ def _train_steps(
                 norms_fallback_said = True
                 say(f"train: train.fused_norms failed in step {step + 1}; the norms run eagerly (same values, eager speed): "
                     f"{trainer.norm_kernels.error}")
-            if trainer.rotary_kernels.error is not None and not rotary_fallback_said:
-                rotary_fallback_said = True
-                say(f"train: train.fused_rotary failed in step {step + 1}; the rotary runs eagerly (same values, eager speed): "
-                    f"{trainer.rotary_kernels.error}")
+            if trainer.pointwise_kernels.error is not None and not pointwise_fallback_said:
+                pointwise_fallback_said = True
+                say(f"train: train.fused_pointwise failed in step {step + 1}; the rotary and SiLU * up run eagerly (same values, eager speed): "
+                    f"{trainer.pointwise_kernels.error}")
             done = record.step = step + 1
             record.tokens += result["tokens"]
             record.seconds += elapsed
@@ -480,8 +480,8 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         summary["fused_loss"] = {"fused": trainer.loss_chunks.active, "fallback": trainer.loss_chunks.error}
     if trainer.norm_kernels.fused:
         summary["fused_norms"] = {"fused": trainer.norm_kernels.active, "fallback": trainer.norm_kernels.error}
-    if trainer.rotary_kernels.fused:
-        summary["fused_rotary"] = {"fused": trainer.rotary_kernels.active, "fallback": trainer.rotary_kernels.error}
+    if trainer.pointwise_kernels.fused:
+        summary["fused_pointwise"] = {"fused": trainer.pointwise_kernels.active, "fallback": trainer.pointwise_kernels.error}
     if run.fused_weight_grads is not None:  # fallback: float32 sums through float32 copies (the same sums, slower)
         summary["fused_weight_grads"] = {"sums": run.fused_weight_grads, "fallback": weight_grads.fallback_reason}
     if run.ranks.rank != 0:
@@ -495,7 +495,7 @@ def _write_output(run: _Run, trainer: _Trainer, record: RunRecord, resumed_from:
         "drafter": run.drafter_cfg,
         "train": run.train_cfg,
         "vocab": {k: vocab_manifest.get(k) for k in ("draft_vocab_size", "requested_draft_vocab_size", "coverage", "clipped") if k in vocab_manifest},
-        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile", "fused_loss", "fused_norms", "fused_rotary", "fused_weight_grads") if k in summary}},
+        "metrics": {**metrics, **{k: summary[k] for k in ("steps", "samples", "tokens", "seconds", "tokens_per_second", "compile", "fused_loss", "fused_norms", "fused_pointwise", "fused_weight_grads") if k in summary}},
         SIMULATED_ACCEPTANCE: check_simulated_acceptance(acceptance, Path(out_dir) / "config.json"),
         "kept": kept,
     }
