@@ -300,6 +300,31 @@ def tiny_setup(tmp_path, *, samples=None, V=120, H=32, layers=8, draft_ids=None,
     return {"target_dir": str(target), "hidden_paths": [cache], "vocab_path": vocab}
 
 
+
+def failing_compile(name):
+    """A stand-in for a module's _compiled(name): the compiled piece raises as inductor would when it cannot lower."""
+    def call(*args):
+        raise RuntimeError("simulated inductor failure")
+
+    return call
+
+
+def assert_fused_job_follows_eager(tmp_path, setting: str) -> None:
+    """train.<setting> true on the CPU: the same loss curve as with it false, and config.json records that it ran fused."""
+    import pytest
+
+    inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
+    eager = train_tiny(tmp_path, inputs, "eager", train={setting: False, "epochs": 2, "batch_tokens": 48})
+    fused = train_tiny(tmp_path, inputs, "fused", train={setting: True, "epochs": 2, "batch_tokens": 48})
+    assert setting not in eager and fused[setting] == {"fused": True, "fallback": None}
+    eager_losses, fused_losses = ([entry["loss"] for entry in json.loads((tmp_path / name / "training_log.json").read_text()) if "loss" in entry]
+                                  for name in ("eager", "fused"))
+    assert len(fused_losses) == len(eager_losses) > 1
+    assert fused_losses == pytest.approx(eager_losses, rel=1e-5)
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert config["eyrie"]["metrics"][setting] == {"fused": True, "fallback": None}
+
+
 def train_tiny(tmp_path, inputs, name="drafter", drafter=None, train=None, **kw):
     """train_drafter on `inputs` (tiny_setup's) into tmp_path/name: three TTT steps, one float32 epoch on the CPU unless changed."""
     from eyrie.training.train import train_drafter

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import failing_compile
 
 from eyrie.training import draft_loss
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
@@ -40,13 +41,7 @@ def test_fused_chunks_give_the_eager_loss_and_gradients(n):
 
 
 def test_a_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
-    def failing(name):
-        def call(*args):
-            raise RuntimeError("simulated inductor failure")
-
-        return call
-
-    monkeypatch.setattr(draft_loss, "_compiled", failing)
+    monkeypatch.setattr(draft_loss, "_compiled", failing_compile)
     chunks = LossChunks(fused=True)
     with pytest.warns(RuntimeWarning, match="train.fused_loss: torch.compile failed.*simulated inductor failure"):
         loss, correct, gx, gw = _loss_and_grads(chunks, 13)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from factories import random_samples, tiny_setup, train_tiny, training_drafter
+from factories import assert_fused_job_follows_eager, failing_compile, training_drafter
 
 from eyrie.drafter import rms_norm
 from eyrie.drafter.rms_norm import EAGER_NORMS, NormKernels, RMSNorm, use_norm_kernels
@@ -54,13 +53,7 @@ def test_fused_norms_give_only_the_weight_gradient_for_a_frozen_input():
 
 
 def test_a_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
-    def failing(name):
-        def call(*args):
-            raise RuntimeError("simulated inductor failure")
-
-        return call
-
-    monkeypatch.setattr(rms_norm, "_compiled", failing)
+    monkeypatch.setattr(rms_norm, "_compiled", failing_compile)
     kernels = NormKernels(fused=True)
     with pytest.warns(RuntimeWarning, match="train.fused_norms: torch.compile failed.*simulated inductor failure"):
         out, gx, gw = _norm_and_grads(kernels, torch.bfloat16)
@@ -111,13 +104,4 @@ def test_the_objective_fuses_the_drafter_norms_only_when_asked():
 
 def test_a_training_job_with_fused_norms_follows_the_eager_run_and_says_so(tmp_path):
     """train.fused_norms true on the CPU: the same loss curve as eager, and config.json records that it ran fused."""
-    inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
-    eager = train_tiny(tmp_path, inputs, "eager", train={"fused_norms": False, "epochs": 2, "batch_tokens": 48})
-    fused = train_tiny(tmp_path, inputs, "fused", train={"fused_norms": True, "epochs": 2, "batch_tokens": 48})
-    assert "fused_norms" not in eager and fused["fused_norms"] == {"fused": True, "fallback": None}
-    eager_losses, fused_losses = ([entry["loss"] for entry in json.loads((tmp_path / name / "training_log.json").read_text()) if "loss" in entry]
-                                  for name in ("eager", "fused"))
-    assert len(fused_losses) == len(eager_losses) > 1
-    assert fused_losses == pytest.approx(eager_losses, rel=1e-5)
-    config = json.loads((tmp_path / "fused" / "config.json").read_text())
-    assert config["eyrie"]["metrics"]["fused_norms"] == {"fused": True, "fallback": None}
+    assert_fused_job_follows_eager(tmp_path, "fused_norms")

@@ -3,11 +3,10 @@ values."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from factories import random_samples, tiny_setup, train_tiny, training_drafter
+from factories import assert_fused_job_follows_eager, failing_compile, training_drafter
 
 from eyrie.drafter import pointwise
 from eyrie.drafter.pointwise import EAGER_POINTWISE, PointwiseKernels, apply_rotary, swiglu
@@ -85,13 +84,7 @@ def test_the_swiglu_backward_is_the_formulas_derivative_in_float64():
 
 
 def test_a_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
-    def failing(name):
-        def call(*args):
-            raise RuntimeError("simulated inductor failure")
-
-        return call
-
-    monkeypatch.setattr(pointwise, "_compiled", failing)
+    monkeypatch.setattr(pointwise, "_compiled", failing_compile)
     kernels = PointwiseKernels(fused=True)
     with pytest.warns(RuntimeWarning, match="train.fused_pointwise: torch.compile failed.*simulated inductor failure"):
         fused = _rotated_and_grads(kernels, torch.float32)
@@ -115,13 +108,4 @@ def test_the_objective_fuses_the_layers_pointwise_pieces_only_when_asked_and_lea
 
 def test_a_training_job_with_fused_pointwise_pieces_follows_the_eager_run_and_says_so(tmp_path):
     """train.fused_pointwise true on the CPU: the same loss curve as eager, and config.json records that it ran fused."""
-    inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
-    eager = train_tiny(tmp_path, inputs, "eager", train={"fused_pointwise": False, "epochs": 2, "batch_tokens": 48})
-    fused = train_tiny(tmp_path, inputs, "fused", train={"fused_pointwise": True, "epochs": 2, "batch_tokens": 48})
-    assert "fused_pointwise" not in eager and fused["fused_pointwise"] == {"fused": True, "fallback": None}
-    eager_losses, fused_losses = ([entry["loss"] for entry in json.loads((tmp_path / name / "training_log.json").read_text()) if "loss" in entry]
-                                  for name in ("eager", "fused"))
-    assert len(fused_losses) == len(eager_losses) > 1
-    assert fused_losses == pytest.approx(eager_losses, rel=1e-5)
-    config = json.loads((tmp_path / "fused" / "config.json").read_text())
-    assert config["eyrie"]["metrics"]["fused_pointwise"] == {"fused": True, "fallback": None}
+    assert_fused_job_follows_eager(tmp_path, "fused_pointwise")

@@ -198,7 +198,7 @@ def _logits_float32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk_rows: int | None = None,
-                        hard_label_weight: float = 0.0):
+                        hard_label_weight: float = 0.0, zero_outside: bool = False):
     """The target's view at the needed positions s of final [B, L, H] (needed: bool [B, L], or its flat indices, ascending).
 
     lm_head [V, H] is used in its own dtype (bf16 on CUDA: no float32 copy of a 128256 x 4096 head).
@@ -208,7 +208,8 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
     row of position s, -1 where not needed; arg [B, L]: draft id of the FULL-vocabulary argmax at
     s, -1 where it lies outside the draft vocab or s is not needed). The full-vocabulary logits
     exist one chunk of positions at a time, never [B*L, V] at once. hard_label_weight: the probs rows
-    are the training labels mixed with a one-hot on that argmax (mix_hard_labels).
+    are the training labels mixed with a one-hot on that argmax (mix_hard_labels). zero_outside: the rows whose
+    argmax lies outside the draft vocab are zeros (no loss or gradient where a step selects them anyway).
     """
     B, L, H = final.shape
     Vd = draft_ids.numel()
@@ -226,6 +227,8 @@ def target_distribution(final: torch.Tensor, needed: torch.Tensor, lm_head: torc
         del logits
     draft_arg = torch.where(t2d[argmax], torch.searchsorted(draft_ids, argmax).clamp(max=Vd - 1), torch.full_like(argmax, -1))
     mix_hard_labels(probs, draft_arg, hard_label_weight)
+    if zero_outside:
+        probs.mul_((draft_arg >= 0).to(probs.dtype)[:, None])
     row = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
     row.index_copy_(0, needed_index, torch.arange(N, device=final.device))
     arg = torch.full((B * L,), -1, dtype=torch.long, device=final.device)
@@ -466,8 +469,7 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
     needed_index = to_device(host_needed.flatten().nonzero().squeeze(1), device)
     trained = trained_tokens(loss_mask, lengths, inner.prompt_label_weight)
     target_probs, target_row, target_arg = target_distribution(batch["final"], needed_index, target_lm_head, draft_ids, t2d,
-                                                               hard_label_weight=inner.hard_label_weight)
-    target_probs.mul_((target_arg.flatten().index_select(0, needed_index) >= 0).to(target_probs.dtype)[:, None])
+                                                               hard_label_weight=inner.hard_label_weight, zero_outside=True)
     weight_copyable_labels(target_probs, target_row, batch["input_ids"], lengths, target_lm_head.shape[0], inner.copy_weight)
     weight_prompt_labels(target_probs, target_row, loss_mask, inner.prompt_label_weight)
     targets = [step_targets(j, target_row, target_arg, trained, lengths) for j in range(steps)]
