@@ -4,6 +4,7 @@ autograd's training: the same in float32, within bf16 rounding under bf16 autoca
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from factories import random_samples, run_two_ranks, tiny_setup, train_tiny, training_drafter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from eyrie.drafter.model import DraftAttention, apply_linears
 from eyrie.training import weight_grads
 from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.optimizer import make_optimizer
@@ -36,13 +38,15 @@ def tiny_batch(B=2, L=11, seed=5):
     return batch, torch.randn(V, H, generator=g)
 
 
-def train(fused, *, use_bf16=False, steps=3, attention="flex", recompute_mlp=False, chunked_loss=True, compile=False, lr=1e-3, seed=5):
-    """steps train_steps of a fresh tiny drafter: (losses, step 0's gradients, the weights' moves over all steps)."""
+def train(fused, *, use_bf16=False, steps=3, attention="flex", recompute_mlp=False, chunked_loss=True, compile=False, lr=1e-3, seed=5,
+          stacked=True):
+    """steps train_steps of a fresh tiny drafter: (losses, step 0's gradients, the weights' moves over all steps).
+    stacked: with fused, q, k and v as one product (TTTObjective's stacked_products)."""
     model = training_drafter(Vd=VD).train()
     batch, head = tiny_batch(seed=seed)
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     objective = TTTObjective(model, TTT, 0.8, attention=attention, recompute_mlp=recompute_mlp, chunked_loss=chunked_loss, compile=compile,
-                             fused_weight_grads=fused)
+                             fused_weight_grads=fused, stacked_products=stacked)
     optimizer = make_optimizer(model, lr, 0.0)
     losses, grads = [], None
     for step in range(steps):
@@ -78,6 +82,104 @@ def test_float32_training_is_plain_autograds(fused, attention, recompute_mlp, ch
         assert torch.allclose(fused_run[2][name], move, rtol=1e-4, atol=1e-6), name
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("attention", ["flex", "eager"])
+def test_q_k_v_as_one_stacked_product_or_three_give_plain_autograds_float32_training(stacked, attention):
+    """q, k and v as one product over the stacked step copy (the default) or as three: plain autograd's losses and each
+    gradient to float32 rounding, q's, k's and v's among them (each its own rows of the stacked sum)."""
+    plain = train(None, attention=attention, steps=2)
+    fused_run = train("compute", attention=attention, steps=2, stacked=stacked)
+    assert fused_run[0] == pytest.approx(plain[0], rel=1e-6)
+    assert fused_run[1].keys() == plain[1].keys()
+    for name, grad in plain[1].items():
+        assert torch.allclose(fused_run[1][name], grad, rtol=1e-5, atol=1e-7), (name, (fused_run[1][name] - grad).abs().max())
+
+
+def test_the_stacked_product_leaves_the_attention_and_its_checkpoint_as_they_were():
+    """During the step the attention's q, k, v go through the step's stacked product; after it, through the class's plain
+    products again (nothing left on the instance), and the state dict holds q_proj, k_proj and v_proj as before."""
+    model = training_drafter(Vd=VD).train()
+    attention = model.midlayer.self_attn
+    keys = list(model.state_dict())
+    batch, head = tiny_batch()
+    objective = TTTObjective(model, TTT, 0.8, attention="flex", fused_weight_grads="compute")
+    seen = []
+    real_weights_for_step = TTTObjective.weights_for_step
+
+    @contextlib.contextmanager
+    def weights_for_step(self, dtype):
+        with real_weights_for_step(self, dtype) as step:
+            seen.append(attention.shared_input_linears)
+            yield step
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TTTObjective, "weights_for_step", weights_for_step)
+        train_step(objective, make_optimizer(model, 1e-3, 0.0), batch, target_lm_head=head, draft_ids=torch.arange(VD) + model.d2t,
+                   t2d=model.t2d, max_grad_norm=1e6, use_bf16=False)
+    assert len(seen) == 1 and seen[0].__func__ is weight_grads.StepWeights.stacked_linear
+    assert "shared_input_linears" not in vars(attention) and attention.shared_input_linears is apply_linears
+    assert DraftAttention.shared_input_linears is apply_linears
+    assert list(model.state_dict()) == keys
+    assert {"midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight"} <= set(keys)
+
+
+@pytest.mark.parametrize("k_proj", ["frozen", "biased"])
+def test_q_k_v_stay_three_products_unless_all_three_are_trained_bias_free_linears(k_proj, monkeypatch):
+    """The stacked copy holds trained weights and no biases: with k_proj frozen or biased, q, k and v run as their own
+    products (k's plain), no stacked copy is made, and the step gives plain autograd's gradients."""
+    stacked_copies = []
+    real_stacked_weight = weight_grads.StepWeights.stacked_weight
+
+    def stacked_weight(self, weights):
+        stacked_copies.append(weights)
+        return real_stacked_weight(self, weights)
+
+    monkeypatch.setattr(weight_grads.StepWeights, "stacked_weight", stacked_weight)
+
+    def gradients(fused):
+        model = training_drafter(Vd=VD).train()
+        attention = model.midlayer.self_attn
+        if k_proj == "frozen":
+            attention.k_proj.weight.requires_grad_(False)
+        else:
+            biased = torch.nn.Linear(attention.k_proj.in_features, attention.k_proj.out_features)
+            with torch.no_grad():
+                biased.weight.copy_(attention.k_proj.weight)
+            attention.k_proj = biased
+        batch, head = tiny_batch()
+        objective = TTTObjective(model, TTT, 0.8, attention="flex", fused_weight_grads=fused)
+        result = train_step(objective, make_optimizer(model, 0.0, 0.0), batch, target_lm_head=head, draft_ids=torch.arange(VD) + model.d2t,
+                            t2d=model.t2d, max_grad_norm=1e6, use_bf16=False)
+        return result["loss"], {n: p.grad for n, p in model.named_parameters()}
+
+    plain, fused = gradients(None), gradients("compute")
+    assert not stacked_copies
+    assert fused[0] == pytest.approx(plain[0], rel=1e-6)
+    assert (plain[1]["midlayer.self_attn.k_proj.weight"] is None) == (k_proj == "frozen")
+    for name, grad in plain[1].items():
+        assert (grad is None) == (fused[1][name] is None), name
+        if grad is not None:
+            assert torch.allclose(fused[1][name], grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_the_values_held_across_ttt_steps_hold_only_v(stacked, monkeypatch):
+    """q, k and v as one product: the v the flex path holds for later TTT steps is a compact copy, not a view that would
+    keep the whole product (q's and k's columns too) alive through the forward."""
+    from eyrie.training import ttt_attention
+
+    held = []
+    real_attention = ttt_attention.flex_ttt_attention
+
+    def flex_ttt_attention(q, keys, values, block_mask):
+        held.append(values[-1].untyped_storage().nbytes() / (values[-1].numel() * values[-1].element_size()))
+        return real_attention(q, keys, values, block_mask)
+
+    monkeypatch.setattr(ttt_attention, "flex_ttt_attention", flex_ttt_attention)
+    train("compute", steps=1, stacked=stacked)
+    assert held == [1.0] * TTT
+
+
 def test_with_train_compile_too():
     """train.compile runs the layer's products eagerly between its compiled pieces, so they go through the step's copies
     as well (MLP recompute replaying them): plain autograd's float32 training with train.compile."""
@@ -110,55 +212,78 @@ def test_bf16_autocast_training_is_plain_autograds_to_bf16_rounding(fused):
     assert (joined(fused_run[2]) - joined(plain[2])).norm() < (joined(plain[2]) - joined(reference[2])).norm()
 
 
+STACKED_QKV = (32 + 16 + 16, 2 * H)  # training_drafter's q, k and v weights stacked by rows
+
+
 class Census(TorchDispatchMode):
-    """aten ops whose output has the shape of one of `shapes` (the trained matrices), by name."""
+    """aten ops whose output has the shape of one of `shapes` (the trained matrices, the stacked q, k, v), by name, and by
+    (name, shape)."""
 
     def __init__(self, shapes):
         super().__init__()
-        self.shapes, self.ops = shapes, collections.Counter()
+        self.shapes, self.ops, self.by_shape = shapes, collections.Counter(), collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if torch.is_tensor(out) and out.dim() == 2 and tuple(out.shape) in self.shapes:
             self.ops[func.overloadpacket.__name__] += 1
+            self.by_shape[func.overloadpacket.__name__, tuple(out.shape)] += 1
         return out
 
 
-def census(fused, monkeypatch) -> collections.Counter:
-    """Matrix-shaped aten ops of one bf16-autocast step's forward and backward (the optimizer and clipping left out)."""
-
-    class NoStep:
-        def zero_grad(self, set_to_none=True):
-            pass
-
-        def step(self):
-            pass
-
+def census(fused, monkeypatch, stacked=True) -> Census:
+    """Matrix-shaped aten ops of one bf16-autocast step's forward and backward (weights_for_step's span: the optimizer and
+    clipping left out)."""
     model = training_drafter(Vd=VD).train()
     batch, head = tiny_batch()
-    objective = TTTObjective(model, TTT, 0.8, attention="flex", fused_weight_grads=fused)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.zeros(()))
+    objective = TTTObjective(model, TTT, 0.8, attention="flex", fused_weight_grads=fused, stacked_products=stacked)
     matrices = [p for p in model.parameters() if p.dim() == 2]
-    shapes = {tuple(p.shape) for p in matrices}
-    assert len(matrices) == 9 and 22 not in {d for shape in shapes for d in shape}  # B x L = 22 rows: no activation counted
-    with Census(shapes) as seen:
-        train_step(objective, NoStep(), batch, target_lm_head=head, draft_ids=torch.arange(VD) + model.d2t, t2d=model.t2d, max_grad_norm=1.0,
-                   use_bf16=True)
-    return seen.ops
+    shapes = {tuple(p.shape) for p in matrices} | {STACKED_QKV}
+    assert len(matrices) == 9 and STACKED_QKV not in {tuple(p.shape) for p in matrices}
+    assert 22 not in {d for shape in shapes for d in shape}  # B x L = 22 rows: no activation counted
+    seen = Census(shapes)
+    real_weights_for_step = TTTObjective.weights_for_step
+
+    @contextlib.contextmanager
+    def counted(self, dtype):
+        with seen, real_weights_for_step(self, dtype) as step:
+            yield step
+
+    monkeypatch.setattr(TTTObjective, "weights_for_step", counted)
+    train_step(objective, make_optimizer(model, 0.0, 0.0), batch, target_lm_head=head, draft_ids=torch.arange(VD) + model.d2t, t2d=model.t2d,
+               max_grad_norm=1.0, use_bf16=True)
+    monkeypatch.undo()
+    return seen
 
 
 def test_each_matrix_is_cast_once_and_its_uses_gradients_summed_by_the_products(monkeypatch):
     """The op census of one bf16 step (9 trained matrices, 3 TTT steps, one loss chunk per TTT step): plain autograd casts
     the 8 layer matrices and fc once (autocast's cache) and their bf16 sums back, the head twice per TTT step, and sums
-    the uses with weight-sized adds; the fused path casts each matrix once, the 8 compute-dtype sums back and the head
-    once more for all its TTT steps' backwards, and adds nothing: each use's product writes into the sum (addmm_)."""
-    plain, fused = census(None, monkeypatch), census("compute", monkeypatch)
+    the uses with weight-sized adds; the fused path (q, k, v as three products) casts each matrix once, the 8
+    compute-dtype sums back and the head once more for all its TTT steps' backwards, and adds nothing: each use's product
+    writes into the sum (addmm_)."""
+    plain, fused = census(None, monkeypatch).ops, census("compute", monkeypatch, stacked=False).ops
     uses = 1 + 7 * TTT + TTT  # fc, the layer's 7 matrices per TTT step, the head's one chunk per TTT step
     assert plain["_to_copy"] == 8 + 8 + 2 * TTT and plain["add"] == 7 * (TTT - 1) + (TTT - 1) and plain["add_"] == TTT
     assert plain["zeros"] == TTT and plain["mm"] == uses  # the head's per-step float32 gradient, zero-filled, then added to
     assert fused["_to_copy"] == 9 + 8 + 1
     assert fused["add"] == fused["add_"] == fused["zeros"] == 0
     assert fused["mm"] + fused["addmm_"] == uses and fused["mm"] == 9  # a sum's first product writes it, the others add into it
+
+
+def test_q_k_v_are_cast_once_into_one_stacked_copy_and_their_gradient_is_one_product_per_use(monkeypatch):
+    """Stacked (the default): q's, k's and v's weights are copied, cast, into one stacked copy once a step (no cast of
+    their own), each TTT step's use is one weight-gradient product into the stacked sum, and the sum's row slices are
+    cast back to the three weights; the other 6 matrices as before, and still no weight-sized adds."""
+    seen = census("compute", monkeypatch)
+    ops, by_shape = seen.ops, seen.by_shape
+    assert by_shape["copy_", (32, 2 * H)] == 1 and by_shape["copy_", (16, 2 * H)] == 2 and ops["copy_"] == 3  # into the stacked copy's rows
+    stacked = {name: n for (name, shape), n in by_shape.items() if shape == STACKED_QKV}
+    assert stacked == {"new_empty": 1, "t": TTT, "mm": 1, "addmm_": TTT - 1}  # one copy, a forward and a weight-gradient product per TTT step
+    uses = 1 + 5 * TTT + TTT  # fc, the stacked q, k, v and o, gate, up, down per TTT step, the head's one chunk per TTT step
+    assert ops["mm"] + ops["addmm_"] == uses and ops["mm"] == 7
+    assert ops["_to_copy"] == 6 + 8 + 1  # 6 casts (the stacked copy's are its copy_), 8 sums back (q, k, v: the stacked sum's rows), the head
+    assert ops["add"] == ops["add_"] == ops["zeros"] == 0
 
 
 def test_the_heads_backwards_share_one_cast_dropped_after_the_last(monkeypatch):
@@ -190,13 +315,20 @@ def test_the_heads_backwards_share_one_cast_dropped_after_the_last(monkeypatch):
 
 
 def test_a_float32_sum_becomes_the_gradient_without_a_copy(monkeypatch):
-    """AccumulateGrad keeps the sum the uses wrote as .grad (no weight-sized copy), and the head's sum is float32."""
+    """AccumulateGrad keeps the sum the uses wrote as .grad (no weight-sized copy), and the head's sum is float32; q's, k's
+    and v's gradients are the stacked sum's rows, in place."""
     taken = {}
     real_take = GradSum.take
 
     def take(self):
         total = real_take(self)
-        taken[id(self.weight)] = (total.data_ptr(), total.dtype)
+        if self.weight is None:  # the stacked q, k, v: each weight's rows of the sum
+            model_attention = model.midlayer.self_attn
+            weights = (model_attention.q_proj.weight, model_attention.k_proj.weight, model_attention.v_proj.weight)
+            for weight, rows in zip(weights, total.split([w.shape[0] for w in weights])):
+                taken[id(weight)] = (rows.data_ptr(), rows.dtype)
+        else:
+            taken[id(self.weight)] = (total.data_ptr(), total.dtype)
         return total
 
     monkeypatch.setattr(GradSum, "take", take)

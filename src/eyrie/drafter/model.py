@@ -241,7 +241,17 @@ class Rotary(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd): broadcast over heads
 
 
+def apply_linears(modules, x: torch.Tensor) -> list[torch.Tensor]:
+    """[m(x) for each of modules]: linears that read one input, each its own product."""
+    return [m(x) for m in modules]
+
+
 class DraftAttention(nn.Module):
+    # How q, k and v are computed from their shared input: one product each here; train.fused_weight_grads swaps in one
+    # product over a stacked copy of the three weights for a step (eyrie.training.weight_grads.StepWeights.stacked_linear).
+    # A class attribute: no state, checkpoints unchanged.
+    shared_input_linears = staticmethod(apply_linears)
+
     def __init__(self, shape: DrafterShape):
         super().__init__()
         H, hd = shape.hidden_size, shape.head_dim
@@ -256,7 +266,10 @@ class DraftAttention(nn.Module):
         """q, k, v with rotary applied: q (B, h, T, hd); k, v (B, h, T, hd) with kv heads repeated for GQA,
         or (B, kv_h, T, hd) with repeat_kv=False (for kernels that take GQA natively). qk_dtype: q and k rotated into
         it (None: the dtype the product with cos and sin gives)."""
-        return self.rotary_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, repeat_kv, qk_dtype)
+        q, k, v = self.shared_input_linears((self.q_proj, self.k_proj, self.v_proj), x)
+        # v.contiguous(): where q, k, v are column slices of one product (train.fused_weight_grads), a v held across TTT
+        # steps would hold q's and k's columns too (q and k are rotated into new tensors); a no-op on a product of its own
+        return self.rotary_heads(q, k, v.contiguous(), cos, sin, repeat_kv, qk_dtype)
 
     def rotary_heads(self, q, k, v, cos, sin, repeat_kv: bool = True, qk_dtype=None):
         """project after its three matrix products: q, k, v (B, T, width) split into heads, rotary on q and k

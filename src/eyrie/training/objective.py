@@ -32,6 +32,7 @@ from eyrie.drafter.rms_norm import NormKernels, use_norm_kernels
 from eyrie.drafter.pointwise import PointwiseKernels
 from eyrie.training.copyable import COPY_MIN_RUN, copyable_positions
 from eyrie.training.draft_loss import EAGER, LossChunks, chunked_soft_cross_entropy
+from eyrie.training.optimizer import clipped_step
 from eyrie.training.weight_grads import StepWeights, step_weights
 
 
@@ -341,7 +342,7 @@ class TTTObjective(torch.nn.Module):
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, *, attention: str = "eager", chunked_loss: bool = True,
                  recompute_mlp: bool = False, compile: bool = False, hard_label_weight: float = 0.0, fused_loss: bool = False,
                  copy_weight: float = 1.0, prompt_label_weight: float = 0.0, fused_weight_grads: str | None = None,
-                 fused_norms: bool = False, fused_pointwise: bool = False):
+                 fused_norms: bool = False, fused_pointwise: bool = False, stacked_products: bool = True):
         super().__init__()
         self.loss_chunks = LossChunks(fused=fused_loss and chunked_loss)
         self.norm_kernels = NormKernels(fused=fused_norms)
@@ -352,6 +353,7 @@ class TTTObjective(torch.nn.Module):
         if fused_weight_grads not in (None, "compute", "float32"):
             raise ValueError(f"fused_weight_grads is {fused_weight_grads!r}; expected None, 'compute' or 'float32' (weight_grads.settle)")
         self.fused_weight_grads = fused_weight_grads
+        self.stacked_products = stacked_products  # with fused_weight_grads: q, k, v as one product (weight_grads.step_weights)
         self.step_weights: StepWeights | None = None  # set while train_step runs a step with fused_weight_grads
         self.drafter = drafter
         self.steps, self.decay = steps, decay
@@ -392,7 +394,7 @@ class TTTObjective(torch.nn.Module):
         if self.fused_weight_grads is None:
             yield
             return
-        with step_weights(self.drafter, compute_dtype, float32_sums=self.fused_weight_grads == "float32") as weights:
+        with step_weights(self.drafter, compute_dtype, float32_sums=self.fused_weight_grads == "float32", stacked=self.stacked_products) as weights:
             self.step_weights = weights
             try:
                 yield
@@ -486,8 +488,7 @@ def train_step(objective, optimizer, batch: dict, *, target_lm_head, draft_ids, 
         optimizer.zero_grad(set_to_none=True)  # every .grad None: backward's sums become the gradients without a copy
         loss.backward()
     params = [p for p in inner.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # a device tensor: no sync (error_if_nonfinite would add one)
-    optimizer.step()
+    grad_norm = clipped_step(optimizer, params, max_grad_norm)  # a device tensor: no sync
     totals = torch.cat([stats.flatten() * (weight != 0), stats.new_full((1,), float(batch["tokens"]) * (weight != 0))])
     if distributed:
         torch.distributed.all_reduce(totals)

@@ -33,6 +33,13 @@ come after every TTT step's layer): the first casts the head again (GradSum.weig
 cast, and the last drops it, so that no copy is held through the layer's backward and the head is cast once in backward,
 not once per TTT step as plain autograd does (7 casts of 131M weights at the Llama-3.1-8B drafter shape).
 
+The attention's q, k and v read one input x (DraftAttention.shared_input_linears): they run as one product over a stacked
+step copy [q_out + k_out + v_out, in] of their matrices, its output split into q, k and v (StepWeights.stacked_linear).
+At the Llama-3.1-8B drafter shape k's and v's products (1024 wide) tile the GPU poorly and their backwards add three
+gradients of x; stacked (6144 wide), x is read once, x's gradient is one product, and each use's weight gradient one
+product into one sum, which the stacked copy's backward splits by rows among the three matrices (_StackedStepCopy).
+Checkpoints are unchanged: q_proj, k_proj and v_proj stay separate parameters, stacked only in the step copy.
+
 The products are plain autograd's; W, AdamW and its float32 state are unchanged. Plain autograd and this path agree to
 bf16 rounding under autocast and to float32 rounding in float32 (tests/training/test_weight_grads.py).
 """
@@ -107,7 +114,8 @@ def add_float32_product(total: torch.Tensor | None, a: torch.Tensor, b: torch.Te
 
 
 class GradSum:
-    """One trained matrix's weight gradient, summed over a step's uses in dtype, and the matrix it goes to.
+    """One trained matrix's weight gradient, summed over a step's uses in dtype, and the matrix it goes to (None for a
+    stacked copy's sum: _StackedStepCopy splits it among its matrices; weight_for_backward is for single matrices).
 
     For uses that recast the matrix in their backward (the chunked loss: its forward-only step copy is not kept), a
     cast shared by those backwards: made by the first, dropped after the last (each use registers in its forward).
@@ -115,7 +123,7 @@ class GradSum:
 
     __slots__ = ("dtype", "weight", "total", "backward_copy", "pending_backwards")
 
-    def __init__(self, dtype: torch.dtype, weight: torch.Tensor):
+    def __init__(self, dtype: torch.dtype, weight: torch.Tensor | None):
         self.dtype, self.weight = dtype, weight
         self.total: torch.Tensor | None = None
         self.backward_copy: torch.Tensor | None = None
@@ -172,6 +180,31 @@ class _StepCopy(torch.autograd.Function):
         return total.to(weight.dtype), None, None  # a float32 sum is taken as it is
 
 
+class _StackedStepCopy(torch.autograd.Function):
+    """The step's copy of matrices with one input width, stacked by rows in the compute dtype (one product serves them
+    all: StepWeights.stacked_linear). Its backward splits the sum its uses wrote by rows, as _StepCopy gives one."""
+
+    @staticmethod
+    def forward(ctx, dtype, grad_sum, *weights):
+        ctx.set_materialize_grads(False)
+        ctx.grad_sum, ctx.weights = grad_sum, weights
+        ctx.rows = [weight.shape[0] for weight in weights]
+        stacked = weights[0].new_empty(sum(ctx.rows), weights[0].shape[1], dtype=dtype)
+        for rows, weight in zip(stacked.split(ctx.rows), weights):
+            rows.copy_(weight)  # cast as it is copied in: no stacked copy in the weights' dtype
+        return stacked
+
+    @staticmethod
+    def backward(ctx, grad_copy):
+        total = ctx.grad_sum.take()
+        if grad_copy is not None:  # a use through plain autograd
+            total = grad_copy if total is None else total.add_(grad_copy.to(total.dtype))
+        if total is None:  # zeros, as _StepCopy gives
+            return None, None, *(torch.zeros_like(weight) for weight in ctx.weights)
+        # row slices of the sum: a float32 sum's become the gradients as they are (contiguous views of one tensor)
+        return None, None, *(rows.to(weight.dtype) for rows, weight in zip(total.split(ctx.rows), ctx.weights))
+
+
 class _Linear(torch.autograd.Function):
     """x @ weight.T for one use of a step copy; backward returns x's gradient and adds the weight's to its sum."""
 
@@ -199,7 +232,8 @@ class StepWeights:
     def __init__(self, dtype: torch.dtype, float32_sums: bool = False):
         self.dtype = dtype
         self.sum_dtype = torch.float32 if float32_sums else dtype
-        self._copies: dict[int, list] = {}  # id(weight) -> [weight, copy (None once dropped), GradSum, kept through backward]
+        # id(weight), or the ids of a stacked copy's weights -> [weight(s), copy (None once dropped), GradSum, kept through backward]
+        self._copies: dict[int | tuple[int, ...], list] = {}
         self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (x, x's version, x in dtype)
 
     def weight(self, weight: torch.Tensor, *, forward_only: bool = False, float32_sum: bool = False) -> tuple[torch.Tensor, GradSum]:
@@ -216,6 +250,15 @@ class StepWeights:
             raise RuntimeError("a forward-only step copy was asked for after the forward ended (StepWeights.end_forward)")
         return entry[1], entry[2]
 
+    def stacked_weight(self, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, GradSum]:
+        """(this step's copy of weights stacked by rows, the sum its uses' gradients go to), made at the first call."""
+        key = tuple(id(weight) for weight in weights)
+        entry = self._copies.get(key)
+        if entry is None:
+            grad_sum = GradSum(self.sum_dtype, None)
+            entry = self._copies[key] = [weights, _StackedStepCopy.apply(self.dtype, grad_sum, *weights), grad_sum, True]
+        return entry[1], entry[2]
+
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """x in the compute dtype; the previous product's cast again when it had the same input (gate, then up)."""
         last = self._last_input
@@ -229,6 +272,16 @@ class StepWeights:
         """module(x) through the step copy of module.weight."""
         weight, grad_sum = self.weight(module.weight)
         return _Linear.apply(self.input(x), weight, grad_sum)
+
+    def stacked_linear(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
+        """[m(x) for m in modules] as one product over the step's stacked copy of their weights, split by the modules'
+        widths (views of the product). Modules that are not all trained bias-free linears run as they are."""
+        if any(not isinstance(m, nn.Linear) or m.bias is not None or not m.weight.requires_grad for m in modules):
+            return [m(x) for m in modules]
+        weights = tuple(m.weight for m in modules)
+        stacked, grad_sum = self.stacked_weight(weights)
+        product = _Linear.apply(self.input(x), stacked, grad_sum)
+        return list(product.split([weight.shape[0] for weight in weights], dim=-1))
 
     def end_forward(self) -> None:
         """Drop the forward-only copies and the last input kept for a next product (autograd keeps what backward needs)."""
@@ -244,15 +297,21 @@ def trained_linears(model: nn.Module) -> list[nn.Linear]:
 
 
 @contextlib.contextmanager
-def step_weights(model: nn.Module, dtype: torch.dtype, float32_sums: bool = False):
+def step_weights(model: nn.Module, dtype: torch.dtype, float32_sums: bool = False, stacked: bool = True):
     """For one step's forward and backward: every trained linear of model runs through a StepWeights (yielded; the
-    chunked loss takes the draft head's copy from it). The linears are their own again on leaving."""
+    chunked loss takes the draft head's copy from it). stacked: the modules with shared_input_linears (the attention's
+    q, k, v) run them as one product over a stacked copy (StepWeights.stacked_linear). All are their own again on leaving."""
     step = StepWeights(dtype, float32_sums)
     linears = trained_linears(model)
+    sharing = [m for m in model.modules() if hasattr(m, "shared_input_linears")] if stacked else []
     for module in linears:
         module.forward = functools.partial(step.linear, module)  # the instance attribute shadows nn.Linear.forward
+    for module in sharing:
+        module.shared_input_linears = step.stacked_linear  # shadows the class's one product per linear
     try:
         yield step
     finally:
         for module in linears:
             del module.forward
+        for module in sharing:
+            del module.shared_input_linears
