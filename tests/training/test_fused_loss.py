@@ -48,3 +48,22 @@ def test_a_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
     assert chunks.error == "forward: RuntimeError: simulated inductor failure" and not chunks.active and chunks.fused
     ref_loss, ref_correct, rgx, rgw = _loss_and_grads(EAGER, 13)
     assert (loss, correct) == (ref_loss, ref_correct) and torch.equal(gx, rgx) and torch.equal(gw, rgw)
+
+
+def test_fused_chunks_hold_twice_the_rows_and_a_fallback_returns_to_the_eager_size(monkeypatch):
+    """Fused, a chunk keeps no float32 [rows, Vd] intermediates, so twice the rows fit: one chunk for a step of 2,048 rows
+    at Vd 32000. After a compile failure the chunks run eagerly, at the eager size again."""
+    fused, eager = LossChunks(fused=True), LossChunks(fused=False)
+    assert draft_loss.chunk_rows_for(32000, fused.chunk_elements) >= 2048 > draft_loss.chunk_rows_for(32000, eager.chunk_elements)
+    assert LossChunks(fused=True, chunk_elements=1 << 20).chunk_elements == 1 << 20
+    sizes = []
+    real = draft_loss._ChunkedSoftCrossEntropy.apply
+    monkeypatch.setattr(draft_loss._ChunkedSoftCrossEntropy, "apply", lambda *a: (sizes.append(a[6]), real(*a))[1])
+    monkeypatch.setattr(draft_loss, "_compiled", failing_compile)
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5, 8, generator=g), torch.randn(1 << 12, 8, generator=g)
+    probs, rows, argmax = torch.softmax(torch.randn(5, 1 << 12, generator=g), -1), torch.arange(5), torch.zeros(5, dtype=torch.long)
+    with pytest.warns(RuntimeWarning, match="train.fused_loss: torch.compile failed"):
+        chunked_soft_cross_entropy(x, weight, probs, rows, argmax, chunks=fused)
+    chunked_soft_cross_entropy(x, weight, probs, rows, argmax, chunks=fused)
+    assert sizes == [draft_loss.FUSED_CHUNK_ELEMENTS >> 12, draft_loss.DEFAULT_CHUNK_ELEMENTS >> 12]

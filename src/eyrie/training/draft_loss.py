@@ -18,7 +18,11 @@ import torch
 
 from eyrie.core.fused_pieces import FusedPieces, fuses_on_cuda
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 25  # logits of one chunk: 32M float32 = 128 MB
+DEFAULT_CHUNK_ELEMENTS = 1 << 25  # logits of one eager chunk: 32M, each float32 intermediate 128 MB
+# Fused, a chunk's only [c, Vd] tensors are its logits and their gradient in the compute dtype (bf16 on CUDA: 128 MB
+# each at 64M), so twice the rows fit the same memory: one chunk for a whole step of 2,048 rows at Vd 32000, one
+# weight-gradient product (K = 2,048) into the head's float32 sum a step instead of two (each reads and writes it).
+FUSED_CHUNK_ELEMENTS = 1 << 26
 
 
 def chunk_rows_for(vocab_size: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
@@ -64,8 +68,14 @@ class LossChunks(FusedPieces):
     If compiling fails, a warning is issued, the reason kept in error, and every chunk runs eagerly from then on.
     """
 
-    def __init__(self, fused: bool):
+    def __init__(self, fused: bool, chunk_elements: int | None = None):
         super().__init__(fused, PIECES, lambda name: _compiled(name), "train.fused_loss", "the loss runs eagerly")
+        self.chosen_chunk_elements = chunk_elements
+
+    @property
+    def chunk_elements(self) -> int:
+        """Elements of one chunk's [rows, Vd] logits: the chosen, else the fused or (also after a fallback) the eager size."""
+        return self.chosen_chunk_elements or (FUSED_CHUNK_ELEMENTS if self.active else DEFAULT_CHUNK_ELEMENTS)
 
     def forward(self, z, probs, rows, argmax):
         return self.run("forward", z, probs, rows, argmax)
@@ -144,6 +154,6 @@ def chunked_soft_cross_entropy(x, weight, probs, rows, argmax, compute_dtype=Non
     if compute_dtype is None:
         device_type = x.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    chunk_rows = chunk_rows or chunk_rows_for(weight.shape[0])
+    chunk_rows = chunk_rows or chunk_rows_for(weight.shape[0], chunks.chunk_elements)
     with torch.autocast(device_type=x.device.type, enabled=False):
         return _ChunkedSoftCrossEntropy.apply(x, weight, probs, rows, argmax, compute_dtype, chunk_rows, chunks, grad_sum)
