@@ -51,6 +51,9 @@ class StateSource:
     loss_mask: list[torch.Tensor]  # per shard: bool [T]
     offsets: list[torch.Tensor]  # per shard: long [samples + 1]
     names: list[list | None]  # per shard: the sample ids in offsets order (None: not recorded)
+    # to_device only copies and converts what load() returned (no model runs), so training may run it in its
+    # background thread, on CUDA on a side stream (eyrie.training.batches_ahead).
+    moves_ahead: bool = False
 
     def samples(self, max_len: int) -> tuple[list[Sample], int, int]:
         """(shard, start, length) of every sample with something to train on; also (#truncated, #skipped)."""
@@ -92,23 +95,25 @@ class StateSource:
             named.setdefault(self.paths[s], []).append(str(ids[starts[-1]]) if usable else f"the sample at token {a}")
         return named
 
-    def tokens(self, refs: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids, loss_mask [B, L] right-padded with zeros (L: the longest of refs) and lengths [B], on the host."""
+    def tokens(self, refs: list[Sample], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids, loss_mask [B, L] right-padded with zeros (L: the longest of refs) and lengths [B], on the host
+        (in pinned memory with pin, which needs CUDA)."""
         B, L = len(refs), max(n for _, _, n in refs)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.bool)
+        ids = torch.zeros(B, L, dtype=torch.long, pin_memory=pin)
+        mask = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
         for row, (s, a, n) in enumerate(refs):
             ids[row, :n] = self.input_ids[s][a : a + n]
             mask[row, :n] = self.loss_mask[s][a : a + n]
-        return ids, mask, torch.tensor([n for _, _, n in refs], dtype=torch.long)
+        return ids, mask, torch.tensor([n for _, _, n in refs], dtype=torch.long, pin_memory=pin)
 
     def check(self, *, target_config, aux_layer_ids: list[int], template_sha256: str, target_fingerprint: str) -> list[int]:
         """Raise unless the source fits this target, template and layer set; returns the aux layer ids its states are of."""
         raise NotImplementedError
 
-    def load(self, refs: list[Sample]) -> Any:
+    def load(self, refs: list[Sample], pin: bool = False) -> Any:
         """The host's share of batch(refs): reading and padding, no device work, so training can run it in a
-        background thread while the previous step computes (by default nothing: to_device does it all)."""
+        background thread while the previous step computes (by default nothing: to_device does it all).
+        pin: into pinned host memory, which to_device copies to a CUDA device asynchronously."""
         return refs
 
     def to_device(self, loaded: Any, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -132,11 +137,11 @@ def padded_batch(aux: torch.Tensor, final: torch.Tensor, ids: torch.Tensor, mask
     """The batch dict training reads (StateSource.batch), every tensor on device, and the host's loss_mask and lengths
     (train_step finds the trained positions there without waiting for the GPU)."""
     return {
-        "aux": aux.to(device),
-        "final": final.to(device),
-        "input_ids": ids.to(device),
-        "loss_mask": mask.to(device),
-        "lengths": lengths.to(device),
+        "aux": _moved(aux, device),
+        "final": _moved(final, device),
+        "input_ids": _moved(ids, device),
+        "loss_mask": _moved(mask, device),
+        "lengths": _moved(lengths, device),
         "tokens": int(lengths.sum()),
         "loss_mask_host": mask,
         "lengths_host": lengths,
@@ -152,6 +157,7 @@ class HiddenCache(StateSource):
     """
 
     states_name = "cached states"
+    moves_ahead = True
 
     def __init__(self, paths: list[str]):
         if not paths:
@@ -228,25 +234,25 @@ class HiddenCache(StateSource):
     def not_finite_cause(self, path: str, ids: list[str]) -> str:
         return f"the cached states of {', '.join(ids)} in {path} are not finite: the cache is corrupt, {rebuild_hint(WRITTEN_BY, path)}"
 
-    def load(self, refs: list[Sample]) -> StoredRows:
+    def load(self, refs: list[Sample], pin: bool = False) -> StoredRows:
         """These samples' rows as stored (fp8 with their scales, or bf16), zero-padded to [B, L, width]: a copy of
         bytes, with no conversion on the host (dequantizing 16K tokens of fp8 there took 431 ms on 2 cores, against
-        ~200 ms for a whole training step on an H200)."""
-        ids, mask, lengths = self.tokens(refs)
+        ~200 ms for a whole training step on an H200). pin: every tensor in pinned host memory (needs CUDA)."""
+        ids, mask, lengths = self.tokens(refs, pin)
         L = ids.shape[1]
         handles = [(self._handles[s], a, n, self.fp8[s]) for s, a, n in refs]
         stored = {bool(self.fp8[s]) for s, _, _ in refs}
         if len(stored) > 1:  # shards stored in different dtypes: one float32 batch, dequantized here
-            rows = {name: _padded([read_state_rows(f, name, a, a + n, fp8) for f, a, n, fp8 in handles], L, torch.float32)
+            rows = {name: _padded([read_state_rows(f, name, a, a + n, fp8) for f, a, n, fp8 in handles], L, torch.float32, pin)
                     for name in ("aux_hidden", "final_hidden")}
             return StoredRows(ids, mask, lengths, rows["aux_hidden"], rows["final_hidden"])
         fp8 = stored.pop()
         aux = [f.get_slice("aux_hidden")[a : a + n] for f, a, n, _ in handles]
         final = [f.get_slice("final_hidden")[a : a + n] for f, a, n, _ in handles]
-        loaded = StoredRows(ids, mask, lengths, _padded(aux, L, aux[0].dtype), _padded(final, L, final[0].dtype))
+        loaded = StoredRows(ids, mask, lengths, _padded(aux, L, aux[0].dtype, pin), _padded(final, L, final[0].dtype, pin))
         if fp8:
-            loaded.aux_scale = _padded([f.get_slice(SCALES["aux_hidden"][0])[a : a + n] for f, a, n, _ in handles], L, SCALE_DTYPE)
-            loaded.final_scale = _padded([f.get_slice(SCALES["final_hidden"][0])[a : a + n] for f, a, n, _ in handles], L, SCALE_DTYPE)
+            loaded.aux_scale = _padded([f.get_slice(SCALES["aux_hidden"][0])[a : a + n] for f, a, n, _ in handles], L, SCALE_DTYPE, pin)
+            loaded.final_scale = _padded([f.get_slice(SCALES["final_hidden"][0])[a : a + n] for f, a, n, _ in handles], L, SCALE_DTYPE, pin)
         return loaded
 
     def to_device(self, loaded: StoredRows, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -270,9 +276,9 @@ class StoredRows:
     final_scale: torch.Tensor | None = None  # [B, L, 1]
 
 
-def _padded(rows: list[torch.Tensor], L: int, dtype) -> torch.Tensor:
-    """[B, L, width] in dtype from B row blocks [n_b, width], zeros after each block's end."""
-    out = torch.zeros(len(rows), L, rows[0].shape[-1], dtype=dtype)
+def _padded(rows: list[torch.Tensor], L: int, dtype, pin: bool = False) -> torch.Tensor:
+    """[B, L, width] in dtype from B row blocks [n_b, width], zeros after each block's end (pinned with pin)."""
+    out = torch.zeros(len(rows), L, rows[0].shape[-1], dtype=dtype, pin_memory=pin)
     for b, block in enumerate(rows):
         out[b, : block.shape[0]] = block
     return out
@@ -282,10 +288,15 @@ def _on_device(stored: torch.Tensor, scale: torch.Tensor | None, device, dtype) 
     """Stored rows moved as they are (a quarter of float32's bytes for fp8) and converted there, as read_state_rows
     converts on the host: float32 (times the block scales for fp8), then dtype. Padding stays zero (scale 0)."""
     B, L, width = stored.shape
-    rows = stored.to(device).float()
+    rows = _moved(stored, device).float()
     if scale is not None:
-        rows = dequantize_blocks(rows.reshape(B * L, width), scale.to(device).reshape(B * L, -1)).reshape(B, L, width)
+        rows = dequantize_blocks(rows.reshape(B * L, width), _moved(scale, device).reshape(B * L, -1)).reshape(B, L, width)
     return rows.to(dtype)
+
+
+def _moved(host: torch.Tensor, device) -> torch.Tensor:
+    """host on device; from pinned memory without waiting for the copy (it is ordered on the current stream)."""
+    return host.to(device, non_blocking=host.is_pinned())
 
 
 def _open(path: str):

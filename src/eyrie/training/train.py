@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import torch
 
-from eyrie.core.ahead import loaded_ahead
 from eyrie.core.errors import EyrieError
 from eyrie.core.schema import with_defaults
 from eyrie.drafter.checkpoint import SIMULATED_ACCEPTANCE, check_simulated_acceptance, checkpoint_tensors, write_checkpoint
@@ -44,6 +43,7 @@ from eyrie.drafter.pointwise import fuses_pointwise
 from eyrie.target.head import TargetHeadError, load_target_head
 from eyrie.training import weight_grads
 from eyrie.training.acceptance import acceptance_line, simulate_acceptance
+from eyrie.training.batches_ahead import batches_on_device, pins_memory
 from eyrie.training.distributed import DistributedContext, data_parallel, distributed_context, rank_share
 from eyrie.training.draft_loss import fuses_loss
 from eyrie.training.errors import NonFiniteError, TrainingInputError
@@ -308,18 +308,22 @@ def _train_steps(
     last_save = time.perf_counter()
     trainer.model.train()
     states = run.inputs.states
+    pin = states.moves_ahead and pins_memory(ranks.device)
 
     def load(step: int):  # in a background thread, while the step before computes
         epoch, index = divmod(step, run.steps_per_epoch)
         whole = batches[epoch_order(seed, epoch, run.steps_per_epoch)[index]]
         refs, weight = rank_share(whole, ranks.rank, ranks.world)
-        return epoch, whole, refs, weight, states.load(refs)
+        return epoch, whole, refs, weight, states.load(refs, pin=pin)
 
-    with contextlib.closing(loaded_ahead(load, range(record.step, run.total_steps))) as loads:
-        for step in range(record.step, run.total_steps):
+    def to_device(planned):  # in the background thread too where the source moves ahead (on CUDA, on a side stream)
+        return states.to_device(planned[-1], ranks.device, dtype=run.frozen_dtype)
+
+    steps = range(record.step, run.total_steps)
+    with contextlib.closing(batches_on_device(load, to_device, steps, ranks.device, ahead=states.moves_ahead)) as loads:
+        for step in steps:
             t0 = time.perf_counter()
-            epoch, whole, refs, weight, loaded = next(loads)
-            batch = states.to_device(loaded, ranks.device, dtype=run.frozen_dtype)
+            (epoch, whole, refs, weight, _), batch = next(loads)
             if noise > 0:  # training batches only: the held-out simulation reads the cache as it is
                 add_hidden_noise(batch["aux"], refs, noise, seed=seed, epoch=epoch)
             batch["weight"] = weight
