@@ -77,6 +77,7 @@ import torch
 from eyrie.drafter.model import DrafterShape, Eagle3Drafter
 from eyrie.training import weight_grads
 from eyrie.training.distributed import data_parallel, rank_share
+from eyrie.training.draft_loss import LossChunks
 from eyrie.training.objective import TTTObjective, train_step
 from eyrie.training.optimizer import make_optimizer
 
@@ -119,6 +120,14 @@ VARIANTS = {
     "flex+fused-loss+fused-wgrad+fused-norms+fused-pointwise": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                                  fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
                                                                  fused_norms=True, fused_pointwise=True),
+    # the default with one of its pieces as it was: the loss in chunks of 2^25 logits (two a step at 2,048 rows), and q, k
+    # and v as three products (eyrie.training.weight_grads.StepWeights.stacked_linear makes them one)
+    "flex+fused-loss+fused-wgrad+fused-norms+small-loss-chunks": dict(attention="flex", chunked_loss=True, recompute_mlp=False,
+                                                                      frozen_bf16=True, fused_adam=None, compile=False, fused_loss=True,
+                                                                      fused_weight_grads="compute", fused_norms=True, loss_chunk_elements=1 << 25),
+    "flex+fused-loss+fused-wgrad+fused-norms+unstacked-qkv": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
+                                                                  fused_adam=None, compile=False, fused_loss=True, fused_weight_grads="compute",
+                                                                  fused_norms=True, stacked_products=False),
     # and train.compile's pieces (rotary, SiLU * up, residual adds, the norms inside them) on top: what fusing the rest buys
     "flex+fused-loss+fused-wgrad+compiled": dict(attention="flex", chunked_loss=True, recompute_mlp=False, frozen_bf16=True,
                                                  fused_adam=None, compile=True, fused_loss=True, fused_weight_grads="compute",
@@ -207,7 +216,10 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
     objective = TTTObjective(model, ttt_steps, 0.8, attention=variant["attention"], chunked_loss=variant["chunked_loss"],
                              recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
                              prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"),
-                             fused_norms=variant.get("fused_norms", False), fused_pointwise=variant.get("fused_pointwise", False))
+                             fused_norms=variant.get("fused_norms", False), fused_pointwise=variant.get("fused_pointwise", False),
+                             **({"stacked_products": variant["stacked_products"]} if "stacked_products" in variant else {}))
+    if "loss_chunk_elements" in variant:
+        objective.loss_chunks = LossChunks(fused=objective.loss_chunks.fused, chunk_elements=variant["loss_chunk_elements"])
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)
 
 
