@@ -127,7 +127,8 @@ class CompiledLayers:
 
     def project(self, attn, x, cos, sin, repeat_kv: bool = True, qk_as_v: bool = False):
         """attn.project: the projections eagerly, the rest compiled; qk_as_v casts q and k to v's dtype."""
-        return self._run("rotary_heads", attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), cos, sin, repeat_kv, qk_as_v)[0]
+        q, k, v = attn.shared_input_linears((attn.q_proj, attn.k_proj, attn.v_proj), x)  # one stacked product under fused weight grads
+        return self._run("rotary_heads", attn, q, k, v.contiguous(), cos, sin, repeat_kv, qk_as_v)[0]
 
     def layer_output(self, model):
         """model.layer_output (carried(residual + mlp(post_attention_layernorm(residual))), residual = hidden + attended)
