@@ -288,6 +288,9 @@ def _on_device(stored: torch.Tensor, scale: torch.Tensor | None, device, dtype) 
     """Stored rows moved as they are (a quarter of float32's bytes for fp8) and converted there, as read_state_rows
     converts on the host: float32 (times the block scales for fp8), then dtype. Padding stays zero (scale 0)."""
     B, L, width = stored.shape
+    if scale is None and stored.dtype == dtype and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        # rows stored as training reads them and float32 holds exactly: the round trip through float32 is the identity
+        return _moved(stored, device)
     rows = _moved(stored, device).float()
     if scale is not None:
         rows = dequantize_blocks(rows.reshape(B * L, width), _moved(scale, device).reshape(B * L, -1)).reshape(B, L, width)
