@@ -21,6 +21,8 @@ process:
     ...+fused-norms  flex+fused-loss or flex+fused-loss+fused-wgrad with train.fused_norms: each RMSNorm's
                   forward and backward math fused by torch.compile (eyrie.drafter.rms_norm.NormKernels);
                   flex+fused-loss+fused-wgrad+fused-norms is what train_drafter runs on CUDA by default
+    ...+small-loss-chunks, ...+unstacked-qkv  that default with the loss in chunks of 2^25 logits, or with q, k and v as
+                  three products: what the fused loss's 2^26-logit chunks and StepWeights.stacked_linear each buy
 
 Each: tokens/s (median step time after warm-up; flex attention and train.compile compile in the
 first warm-up step, so no timed step includes compile time), peak memory
