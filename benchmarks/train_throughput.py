@@ -219,7 +219,7 @@ def build(dims: dict, variant: dict, device, ttt_steps: int, seed: int):
                              recompute_mlp=variant["recompute_mlp"], compile=variant["compile"], fused_loss=variant.get("fused_loss", False),
                              prompt_label_weight=variant.get("prompt_label_weight", 0.0), fused_weight_grads=variant.get("fused_weight_grads"),
                              fused_norms=variant.get("fused_norms", False), fused_pointwise=variant.get("fused_pointwise", False),
-                             **({"stacked_products": variant["stacked_products"]} if "stacked_products" in variant else {}))
+                             stacked_products=variant.get("stacked_products", True))
     if "loss_chunk_elements" in variant:
         objective.loss_chunks = LossChunks(fused=objective.loss_chunks.fused, chunk_elements=variant["loss_chunk_elements"])
     return objective, optimizer, target_head, draft_ids.to(device), t2d.to(device)

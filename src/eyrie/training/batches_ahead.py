@@ -47,7 +47,7 @@ def batches_on_device(
 
     def load_and_move(item):
         loaded = load(item)
-        return (loaded, *_moved(to_device, loaded, side))
+        return (loaded, *_moved_on(side, to_device, loaded))
 
     with contextlib.closing(loaded_ahead(load_and_move, items)) as moves:
         for loaded, batch, copied in moves:
@@ -62,7 +62,7 @@ def _cuda_device(device) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def _moved(to_device: Callable[[Loaded], Batch], loaded: Loaded, side) -> tuple[Batch, torch.cuda.Event | None]:
+def _moved_on(side, to_device: Callable[[Loaded], Batch], loaded: Loaded) -> tuple[Batch, torch.cuda.Event | None]:
     """to_device(loaded), and on CUDA (side: a stream) the event its copies and conversions end with."""
     if side is None:
         return to_device(loaded), None

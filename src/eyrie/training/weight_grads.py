@@ -276,7 +276,7 @@ class StepWeights:
     def stacked_linear(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
         """[m(x) for m in modules] as one product over the step's stacked copy of their weights, split by the modules'
         widths (views of the product). Modules that are not all trained bias-free linears run as they are."""
-        if any(not isinstance(m, nn.Linear) or m.bias is not None or not m.weight.requires_grad for m in modules):
+        if not all(is_trained_linear(m) for m in modules):
             return [m(x) for m in modules]
         weights = tuple(m.weight for m in modules)
         stacked, grad_sum = self.stacked_weight(weights)
@@ -291,9 +291,14 @@ class StepWeights:
                 entry[1] = None
 
 
+def is_trained_linear(module: nn.Module) -> bool:
+    """A linear whose weight is trained, bias-free (the drafter has no biases): what a step copy stands in for."""
+    return isinstance(module, nn.Linear) and module.weight.requires_grad and module.bias is None
+
+
 def trained_linears(model: nn.Module) -> list[nn.Linear]:
-    """The model's linears whose weight is trained (bias-free: the drafter has no biases)."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad and m.bias is None]
+    """The model's trained linears (is_trained_linear)."""
+    return [m for m in model.modules() if is_trained_linear(m)]
 
 
 @contextlib.contextmanager
