@@ -1,9 +1,12 @@
-"""The TTT BlockMask written from its tiles equals the one create_block_mask derives from the dense mask."""
+"""The TTT BlockMask written from its tiles equals the one create_block_mask derives from the dense mask; flex attention
+runs without bounds checks exactly where the lengths allow it."""
 
 import pytest
 import torch
 
-from eyrie.training.ttt_attention import FLEX_BLOCK, _ttt_mask_mod, dense_ttt_attention, tiled_ttt_block_mask, ttt_block_mask, unfused_flex_attention
+from eyrie.training.ttt_attention import (
+    FLEX_BLOCK, _ttt_mask_mod, dense_ttt_attention, flex_kernel_options, padded_length, tiled_ttt_block_mask, ttt_block_mask, unfused_flex_attention,
+)
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -52,3 +55,32 @@ def test_long_sample_mask_is_built_without_the_dense_mask():
     assert block_mask.kv_num_blocks.flatten().tolist() == [blocks] * n
     assert block_mask.full_kv_num_blocks.flatten().tolist() == list(range(n))
     assert block_mask.kv_indices[0, 0, 5, :blocks].tolist() == [5 + n * b for b in range(blocks)]
+
+
+def test_padded_lengths_drop_flex_bounds_checks_and_others_keep_them():
+    for length in (1, 100, 128, 129, 2000, 2048, 8191, 8192):
+        padded = padded_length(length, "cuda")
+        for blocks in range(1, 8):
+            assert flex_kernel_options(padded, blocks * padded) == {"IS_DIVISIBLE": True}, (length, blocks)
+    for query, key in ((100, 700), (2000, 14000), (128, 200), (200, 256)):
+        assert flex_kernel_options(query, key) == {}, (query, key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("length", [256, 640, 2048])
+def test_flex_without_bounds_checks_gives_the_outputs_and_gradients_of_flex_with_them(length):
+    from eyrie.training.ttt_attention import _compiled_flex
+
+    torch.manual_seed(0)
+    blocks = 3
+    q = torch.randn(1, 4, length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, blocks * length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 2, blocks * length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = ttt_block_mask(length, blocks, "cuda")
+    results = []
+    for options in ({}, flex_kernel_options(length, blocks * length)):
+        out = _compiled_flex(True)(q, k, v, block_mask=mask, scale=0.125, enable_gqa=True, kernel_options=options)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), [q, k, v])))
+    assert flex_kernel_options(length, blocks * length) == {"IS_DIVISIBLE": True}
+    for plain, divisible in zip(*results):
+        torch.testing.assert_close(divisible, plain, rtol=0, atol=0)
