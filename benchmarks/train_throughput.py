@@ -28,13 +28,13 @@ Each: tokens/s (median step time after warm-up; flex attention and train.compile
 first warm-up step, so no timed step includes compile time), peak memory
 (torch.cuda.max_memory_allocated, reset between variants; model + optimizer + step) and, on CUDA, the host
 syncs of one more step (torch.cuda.set_sync_debug_mode, by the line that made them), then ratios against
-SpecForge's trainer: measured in the same call with --specforge (its harness, run in a process of its own after
-eyrie's variants), else the figures recorded for it on one H200 (16-19K tok/s, 13 GiB with flex attention).
+SpecForge's trainer: measured in the same call with --specforge benchmarks/specforge_step.py (SpecForge's own step,
+its wheel fetched into an ignored folder; run in a process of its own after eyrie's variants), else the figures recorded for it on one H200 (16-19K tok/s, 13 GiB with flex attention).
 One summary line per variant, SpecForge's too.
 
     python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
     python benchmarks/train_throughput.py --variants flex+fused-loss+fused-wgrad,flex+fused-loss+fused-wgrad+fused-norms \
-        --warmup 2 --steps 6 --specforge .device/specforge/run_specforge.py --out tt.json   # H200: norms eager, the default, SpecForge
+        --warmup 2 --steps 6 --specforge benchmarks/specforge_step.py --out tt.json   # H200: norms eager, the default, SpecForge
     python benchmarks/train_throughput.py --small --variants flex+fused-loss,flex+fused-loss+fused-wgrad --out /tmp/tt.json  # CPU smoke test
     python benchmarks/train_throughput.py --shape pipeline --batch 32 --seq-len 512 \
         --variants flex+chunked,flex+fused-loss --profile flex+fused-loss --out tt_pipeline.json  # the pipeline's drafter (H 576)
@@ -525,7 +525,7 @@ def main() -> int:
                         help="share of each row that is prompt, outside the loss mask (the GPU config's data: ~0.27)")
     parser.add_argument("--processes", type=int, default=1, help="N > 1: one process against N data-parallel ranks (see above)")
     parser.add_argument("--timeout", type=int, default=360, help="seconds allowed to the torchrun launch (--processes) or to --specforge")
-    parser.add_argument("--specforge", help="SpecForge's harness script (run_specforge.py, kept outside the repository) to run after "
+    parser.add_argument("--specforge", help="SpecForge's harness (benchmarks/specforge_step.py) to run after "
                         "eyrie's variants at the same shape, in its own process; its line joins the summary and the ratios use it")
     parser.add_argument("--out", required=True, help="JSON file for all figures")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

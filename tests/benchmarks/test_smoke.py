@@ -22,7 +22,7 @@ from factories import TOOLS_TEMPLATE, byte_tokenizer, tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
-KEPT = {"decode_floor.py", "train_throughput.py", "extraction.py", "regeneration.py", "dag_scale.py", "recipe_ablation.py", "drafter_probe.py"}
+KEPT = {"decode_floor.py", "train_throughput.py", "specforge_step.py", "extraction.py", "regeneration.py", "dag_scale.py", "recipe_ablation.py", "drafter_probe.py"}
 
 
 def positive(value) -> bool:
@@ -125,6 +125,18 @@ def test_train_throughput_measures_each_variant(tmp_path, monkeypatch):
     for name, variant in report["variants"].items():
         assert "error" not in variant, variant
         assert positive(variant["tokens_per_second"]) and len(variant["losses"]) == 2 and all(map(positive, variant["losses"])), name
+
+
+def test_train_throughput_times_specforges_own_step_beside_eyries(tmp_path):
+    """SpecForge's wheel fetched by the harness (into the ignored .specforge/), its step run on train_throughput's inputs."""
+    out = tmp_path / "beside.json"
+    stdout = run_apart("train_throughput.py", "--small", "--variants", "flex+fused-loss", "--warmup", 1, "--steps", 1, "--seq-len", 32,
+                       "--ttt-steps", 2, "--specforge", BENCHMARKS / "specforge_step.py", "--out", out, cwd=tmp_path, timeout=600)
+    specforge = json.loads(out.read_text())["specforge"]
+    assert "error" not in specforge, specforge
+    assert positive(specforge["tokens_per_second"]) and specforge["specforge"].startswith("specforge-0.2.0"), specforge
+    assert specforge["seq_len"] == 32 and specforge["ttt_steps"] == 2 and all(map(positive, specforge["losses"])), specforge
+    assert re.search(r"^specforge +\d+ ", stdout, re.MULTILINE), stdout[-2000:]  # its line in the summary
 
 
 def test_train_throughput_processes_trains_the_same_batches_on_two_ranks(tmp_path):
