@@ -9,14 +9,15 @@ SpecForge is an external tool, never part of eyrie: its wheel (specforge==0.2.0,
 github.com/sgl-project/SpecForge a6b6b023) is fetched with `pip download --no-deps` into the ignored `.specforge/`
 (--specforge-root) and imported from there, never installed. A machine without the index needs that folder carried.
 
-One timed step is one call of SpecForge's trainer step, built as its offline EAGLE-3 run builds it, with its
-config's defaults (flex attention, bf16, lr 1e-4, max_grad_norm 0.5, cosine schedule, loss weights 0.8**i):
-LlamaForCausalLMEagle3 (AutoDraftModel.from_config, freeze_embedding, t2d/d2t buffers), OnlineEagle3Model (its TTT
-loop, target distribution through t2d, triton LogSoftmaxLoss), the frozen TargetHead, BF16Optimizer (fp32 master
-AdamW), Eagle3TrainStrategy, and TrainerCore(...).train_step(batch): forward_loss, backward, optimizer step and its
-metric reduction. --fsdp-sharding none (the default) leaves the model unwrapped, SpecForge's fastest on one GPU; its
-SHARD_GRAD_OP (FSDP1 over a one-rank group) is there to compare. The inputs are train_throughput.py's: random_vocab,
-random_target_head and random_batch with the same seeds, built once on the device (no data loader is timed).
+At train_throughput.py's --shape, --draft-vocab and --prompt-share, one timed step is one call of SpecForge's trainer
+step, built as its offline EAGLE-3 run builds it, with its config's defaults (flex attention, bf16, lr 1e-4,
+max_grad_norm 0.5, cosine schedule, loss weights 0.8**i): LlamaForCausalLMEagle3 (AutoDraftModel.from_config,
+freeze_embedding, t2d/d2t buffers), OnlineEagle3Model (its TTT loop, target distribution through t2d, triton
+LogSoftmaxLoss), the frozen TargetHead, BF16Optimizer (fp32 master AdamW), Eagle3TrainStrategy, and
+TrainerCore(...).train_step(batch): forward_loss, backward, optimizer step and its metric reduction. --fsdp-sharding
+none (the default) leaves the model unwrapped, SpecForge's fastest on one GPU; its SHARD_GRAD_OP (FSDP1 over a
+one-rank group) is there to compare. The inputs are train_throughput.py's: random_vocab, random_target_head and
+random_batch with the same seeds, built once on the device (no data loader is timed).
 
 --cpu-smoke: a tiny shape on the CPU, to check the harness runs. Flex attention has no backward there (SpecForge's
 sdpa backend instead), FSDP1 needs an accelerator (unwrapped), and triton's kernels cannot run: the loss is SpecForge's
@@ -37,15 +38,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from train_throughput import SHAPES, SMALL, host_syncs, random_batch, random_target_head, random_vocab
+
 REPO = Path(__file__).resolve().parents[1]
 SPECFORGE_REQUIREMENT = "specforge==0.2.0"
 
-LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000)
-SMOKE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=256)
-
-
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="train_throughput.py's shapes")
+    p.add_argument("--draft-vocab", type=int, help="a draft vocabulary of this size instead of the shape's")
+    p.add_argument("--prompt-share", type=float, default=0.0, help="share of each row outside the loss mask (as train_throughput.py's)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--ttt-steps", type=int, default=7)
@@ -126,7 +128,6 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
-    from train_throughput import host_syncs, random_batch, random_target_head, random_vocab
 
     if not cpu and not torch.cuda.is_available():
         raise SystemExit("specforge_step.py: no CUDA device (use --cpu-smoke for the CPU smoke test)")
@@ -134,7 +135,9 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats()
-    dims = dict(SMOKE if cpu else LLAMA_8B)
+    dims = dict(SMALL if cpu else SHAPES[args.shape])
+    if args.draft_vocab:
+        dims["draft_vocab"] = args.draft_vocab
     B, L, T, H = args.batch, args.seq_len, args.ttt_steps, dims["hidden"]
     dtype = torch.bfloat16  # SpecForge's model.torch_dtype default
 
@@ -234,7 +237,7 @@ def main() -> int:
         log(f"specforge built: wrapper {backend._wrapper_kind}, {trainable / 1e6:.1f}M trainable parameters, "
             f"{type(model.draft_model.midlayer.self_attn).__name__}, loss {loss_impl}")
 
-        batch = specforge_batch(random_batch(dims, B, L, target_head.fc.weight, draft_ids, device, dtype, args.seed + 1), args.seed + 1)
+        batch = specforge_batch(random_batch(dims, B, L, target_head.fc.weight, draft_ids, device, dtype, args.seed + 1, args.prompt_share), args.seed + 1)
 
         # ---- timing ---------------------------------------------------------------------------------------
         cuda = device.type == "cuda"

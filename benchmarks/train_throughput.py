@@ -28,8 +28,9 @@ Each: tokens/s (median step time after warm-up; flex attention and train.compile
 first warm-up step, so no timed step includes compile time), peak memory
 (torch.cuda.max_memory_allocated, reset between variants; model + optimizer + step) and, on CUDA, the host
 syncs of one more step (torch.cuda.set_sync_debug_mode, by the line that made them), then ratios against
-SpecForge's trainer: measured in the same call with --specforge benchmarks/specforge_step.py (SpecForge's own step,
-its wheel fetched into an ignored folder; run in a process of its own after eyrie's variants), else the figures recorded for it on one H200 (16-19K tok/s, 13 GiB with flex attention).
+SpecForge's trainer: measured in the same call with --specforge benchmarks/specforge_step.py (SpecForge's own step at
+the same shape and inputs, its wheel fetched into an ignored folder; run in a process of its own after eyrie's
+variants), else the figures recorded for it on one H200 (16-19K tok/s, 13 GiB with flex attention).
 One summary line per variant, SpecForge's too.
 
     python benchmarks/train_throughput.py --out train_throughput.json            # H200, ~2-4 min
@@ -581,8 +582,9 @@ def run_specforge(args) -> dict:
     """SpecForge's trainer on the same shape, in a process of its own (its harness: --specforge, a script that prints its
     figures as its last JSON line; its folder goes on PYTHONPATH). Its figures, or {"error": ...}."""
     script = Path(args.specforge).resolve()
-    command = [sys.executable, str(script), "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--ttt-steps", str(args.ttt_steps),
-               "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)] + (["--cpu-smoke"] if args.small else [])
+    command = [sys.executable, str(script), "--shape", args.shape, "--prompt-share", str(args.prompt_share), "--seq-len", str(args.seq_len),
+               "--batch", str(args.batch), "--ttt-steps", str(args.ttt_steps), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--seed", str(args.seed)] + (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab else []) + (["--cpu-smoke"] if args.small else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent), os.environ.get("PYTHONPATH")]))}
     print(f"== specforge: {' '.join(command)}", flush=True)
     try:
