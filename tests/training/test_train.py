@@ -806,21 +806,23 @@ def test_a_training_job_with_the_fused_loss_follows_the_eager_run_and_says_so(tm
     assert config["eyrie"]["metrics"]["fused_loss"] == {"fused": True, "fallback": None}
 
 
-def test_training_without_a_cxx_compiler_falls_back_to_eager_and_logs_it(tmp_path, monkeypatch):
+def test_training_without_a_cxx_compiler_falls_back_to_eager_and_logs_it(tmp_path):
     """Inductor without a working C++ compiler: train_drafter warns, trains eagerly (the eager run's losses)
     and records the fallback in training_log.json and config.json."""
     import torch._dynamo
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()  # forget the graphs earlier tests compiled: this run must compile (and fail)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # no compiled kernels from the disk cache
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    # torch's own config.patch, not monkeypatch: monkeypatch's undo deletes a config module's entry, and every later
+    # compile in the process then fails ("enable_autograd_cache does not exist"). No kernels from the disk caches either.
+    no_compiler = inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False})
     try:
-        inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
-        train_tiny(tmp_path, inputs, "eager")
-        with pytest.warns(RuntimeWarning, match="train.compile: torch.compile failed.*C\\+\\+ compiler"):
-            summary = train_tiny(tmp_path, inputs, "compiled", train={"compile": True})
+        with no_compiler, functorch_config.patch(enable_autograd_cache=False):
+            inputs = tiny_setup(tmp_path, samples=random_samples(4, 24, 120, seed=3))
+            train_tiny(tmp_path, inputs, "eager")
+            with pytest.warns(RuntimeWarning, match="train.compile: torch.compile failed.*C\\+\\+ compiler"):
+                summary = train_tiny(tmp_path, inputs, "compiled", train={"compile": True})
     finally:
         torch._dynamo.reset()
     assert summary["compile"]["compiled"] is False and summary["compile"]["fallback"]["step"] == 1
