@@ -29,10 +29,11 @@ less than the elementwise share suggested; hence opt-in.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
+
+from eyrie.core.fused_pieces import FusedPieces
 
 
 def _layer_inputs(model, hidden, input_ids, positions, dtype):
@@ -85,50 +86,23 @@ def _autocast_dtype(device: torch.device):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-class CompiledLayers:
+class CompiledLayers(FusedPieces):
     """One TTT step's layer pieces, compiled; every method computes what the eager code computes.
 
     error: None while compiled, else why compiling failed (everything then runs eagerly).
     """
 
     def __init__(self):
-        self.error: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.error is None
-
-    def _run(self, name: str, *args):
-        """(PIECES[name](*args), whether it ran compiled)."""
-        if self.error is None:
-            settings = _compile_settings()
-            saved = [getattr(config, key) for config, key, _ in settings]
-            for config, key, value in settings:
-                setattr(config, key, value)
-            try:
-                return _compiled(name)(*args), True
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 -- inductor and dynamo raise many types; any of them means: run eagerly
-                self.error = f"{name}: {type(exc).__name__}: {exc}".strip()[:2000]
-                warnings.warn(
-                    f"train.compile: torch.compile failed, training goes on eagerly (same training, eager speed): {self.error}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            finally:
-                for (config, key, _), value in zip(settings, saved):
-                    setattr(config, key, value)
-        return PIECES[name](*args), False
+        super().__init__(True, PIECES, lambda name: _compiled(name), "train.compile", "training goes on eagerly", _compile_settings)
 
     def layer_inputs(self, model, hidden, input_ids, positions, dtype=None):
         """model.layer_inputs, x cast to dtype (None: not cast)."""
-        return self._run("layer_inputs", model, hidden, input_ids, positions, dtype)[0]
+        return self.run("layer_inputs", model, hidden, input_ids, positions, dtype)
 
     def project(self, attn, x, cos, sin, repeat_kv: bool = True, qk_as_v: bool = False):
         """attn.project: the projections eagerly, the rest compiled; qk_as_v casts q and k to v's dtype."""
         q, k, v = attn.shared_input_linears((attn.q_proj, attn.k_proj, attn.v_proj), x)  # one stacked product under fused weight grads
-        return self._run("rotary_heads", attn, q, k, v.contiguous(), cos, sin, repeat_kv, qk_as_v)[0]
+        return self.run("rotary_heads", attn, q, k, v.contiguous(), cos, sin, repeat_kv, qk_as_v)
 
     def layer_output(self, model):
         """model.layer_output (carried(residual + mlp(post_attention_layernorm(residual))), residual = hidden + attended)
@@ -142,8 +116,8 @@ class CompiledLayers:
 
         def run(name, replay, *args):
             if replay is not None:
-                return (_compiled(name) if next(replay) else PIECES[name])(*args)
-            result, compiled = self._run(name, *args)
+                return (self.compiled(name) if next(replay) else self.pieces[name])(*args)
+            result, compiled = self.run_reporting(name, *args)
             paths.append(compiled)
             return result
 
